@@ -1,0 +1,408 @@
+//! Discovery: the server, its databases, pg_prewarm in each, and every relation fork with storage,
+//! sized exactly with pg_relation_size (never relpages). Relations are addressed by oid; names are only
+//! ever data, and any SQL text that names an object is quoted by the server (format('%I')).
+
+use std::collections::HashSet;
+use std::time::Instant;
+
+use tokio_postgres::Client;
+use tracing::{info, warn};
+
+use crate::connect::ConnectionSpec;
+use crate::error::{describe, Error, Result};
+use crate::pattern::{glob, RelationPattern};
+use crate::plan::{
+    order_ranges, DatabaseEntry, Fork, ForkEntry, Plan, RelKind, ServerInfo, Skip, SkipReason, PLAN_FORMAT,
+};
+
+/// What to plan. Patterns are validated against the server: one that matches nothing is an error.
+#[derive(Debug, Clone, Default)]
+pub struct PlanOptions {
+    pub include_databases: Vec<String>,
+    pub exclude_databases: Vec<String>,
+    pub include: Vec<RelationPattern>,
+    pub exclude: Vec<RelationPattern>,
+    pub first: Vec<RelationPattern>,
+    pub range_blocks: u64,
+    /// Create pg_prewarm where it is missing (CREATE EXTENSION). On by default.
+    pub create_extension: bool,
+}
+
+/// Databases excluded unless named by an include pattern: RDS's own administrative database, which
+/// customers cannot connect to.
+pub const DEFAULT_EXCLUDED_DATABASES: &[&str] = &["rdsadmin"];
+
+pub(crate) async fn connect_any(spec: &ConnectionSpec) -> Result<(Client, String)> {
+    let first = spec.initial_database().to_string();
+    match spec.connect(&first).await {
+        Ok(c) => Ok((c, first)),
+        Err(e @ Error::Connect { .. }) if e.to_string().contains("3D000") && first != "postgres" => {
+            warn!(database = %first, "database does not exist; discovering from \"postgres\"");
+            Ok((spec.connect("postgres").await?, "postgres".into()))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+pub async fn server_info(client: &Client) -> Result<ServerInfo> {
+    let row = client
+        .query_one(
+            "SELECT current_setting('server_version_num')::int4,
+                    version(),
+                    current_setting('block_size')::int8,
+                    current_user::text,
+                    (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user),
+                    current_setting('max_connections')::int4,
+                    current_setting('superuser_reserved_connections')::int4
+                      + coalesce(current_setting('reserved_connections', true)::int4, 0),
+                    (SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE backend_type = 'client backend')::int4",
+            &[],
+        )
+        .await
+        .map_err(|e| {
+            if e.code().is_some() {
+                Error::Unsupported(format!("server did not answer like PostgreSQL >= 10: {}", describe(&e)))
+            } else {
+                Error::query("reading server settings", e)
+            }
+        })?;
+    let version_num: i32 = row.get(0);
+    if version_num < 100000 {
+        return Err(Error::Unsupported(format!("PostgreSQL {version_num} is older than 10")));
+    }
+    Ok(ServerInfo {
+        version_num: version_num as u32,
+        version: row.get(1),
+        block_size: row.get::<_, i64>(2) as u64,
+        login_role: row.get(3),
+        is_superuser: row.get::<_, Option<bool>>(4).unwrap_or(false),
+        max_connections: row.get::<_, i32>(5) as u32,
+        reserved_connections: row.get::<_, i32>(6) as u32,
+        connections_in_use: row.get::<_, i32>(7) as u32,
+    })
+}
+
+struct DbRow {
+    name: String,
+    allow_conn: bool,
+    template: bool,
+    can_connect: bool,
+}
+
+/// Discovers everything and returns the plan. Connection and authentication failures on the first
+/// database are errors; a database that fails later is skipped with its reason.
+pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan> {
+    let started = Instant::now();
+    if opts.range_blocks == 0 {
+        return Err(Error::InvalidInput("range size must be at least 1 block".into()));
+    }
+    let (client, _) = connect_any(spec).await?;
+    let server = server_info(&client).await?;
+    info!(server = %server.version, login_role = %server.login_role, superuser = server.is_superuser, "connected");
+
+    let rows = client
+        .query(
+            "SELECT datname::text, datallowconn, datistemplate,
+                    has_database_privilege(oid, 'CONNECT')
+               FROM pg_catalog.pg_database ORDER BY datname",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::query("listing databases", e))?;
+    let dbs: Vec<DbRow> = rows
+        .iter()
+        .map(|r| DbRow { name: r.get(0), allow_conn: r.get(1), template: r.get(2), can_connect: r.get(3) })
+        .collect();
+    drop(client);
+
+    for p in &opts.include_databases {
+        if !dbs.iter().any(|d| glob(p, &d.name)) {
+            let names: Vec<&str> = dbs.iter().map(|d| d.name.as_str()).collect();
+            return Err(Error::InvalidInput(format!(
+                "database pattern {p:?} matches no database (databases: {})",
+                names.join(", ")
+            )));
+        }
+    }
+    for p in opts.include.iter().chain(&opts.first).chain(&opts.exclude) {
+        if !dbs.iter().any(|d| p.applies_to_database(&d.name)) {
+            return Err(Error::InvalidInput(format!(
+                "relation pattern {:?} names a database that does not exist",
+                p.text
+            )));
+        }
+    }
+
+    let mut databases = Vec::new();
+    let mut forks: Vec<ForkEntry> = Vec::new();
+    let mut seen_shared: HashSet<u32> = HashSet::new();
+    for d in &dbs {
+        let included = if opts.include_databases.is_empty() {
+            !DEFAULT_EXCLUDED_DATABASES.contains(&d.name.as_str())
+        } else {
+            opts.include_databases.iter().any(|p| glob(p, &d.name))
+        };
+        let excluded_by = opts.exclude_databases.iter().find(|p| glob(p, &d.name));
+        let skip = |reason: String, counts: bool| DatabaseEntry {
+            name: d.name.clone(),
+            outcome: "skipped".into(),
+            reason: Some(reason),
+            prewarm_function: None,
+            counts_against_coverage: counts,
+        };
+        if let Some(p) = excluded_by {
+            databases.push(DatabaseEntry {
+                outcome: "excluded".into(),
+                ..skip(format!("excluded by pattern {p:?}"), false)
+            });
+            continue;
+        }
+        if !included {
+            databases.push(DatabaseEntry {
+                outcome: "excluded".into(),
+                ..skip("not matched by the include patterns (or excluded by default)".into(), false)
+            });
+            continue;
+        }
+        if d.template {
+            databases.push(skip("template database".into(), false));
+            continue;
+        }
+        if !d.allow_conn {
+            databases.push(skip("does not allow connections (datallowconn = false)".into(), false));
+            continue;
+        }
+        if !d.can_connect {
+            databases.push(skip(
+                format!(
+                    "no CONNECT privilege for {}; fix: GRANT CONNECT ON DATABASE {} TO {}",
+                    server.login_role,
+                    quote_ident(&d.name),
+                    quote_ident(&server.login_role)
+                ),
+                true,
+            ));
+            continue;
+        }
+        let client = match spec.connect(&d.name).await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(database = %d.name, error = %e, "database not connectable; skipped");
+                databases.push(skip(format!("cannot connect: {e}"), true));
+                continue;
+            }
+        };
+        let (function, ext_problem) = ensure_extension(&client, &d.name, opts.create_extension).await?;
+        let mut db_forks = list_forks(&client, &d.name, &server).await?;
+        db_forks.retain(|f| {
+            // Shared catalogs appear in every database: read them once.
+            !(f.kind_is_shared && !seen_shared.insert(f.entry.oid))
+        });
+        for mut f in db_forks.into_iter().map(|f| f.entry) {
+            let (schema, table) = f.table.split_once('.').unwrap_or(("", &f.table));
+            let (schema, table) = (schema.to_string(), table.to_string());
+            let included = opts.include.is_empty() || opts.include.iter().any(|p| p.matches(&d.name, &schema, &table));
+            let excluded = opts.exclude.iter().any(|p| p.matches(&d.name, &schema, &table));
+            if !included || excluded {
+                f.excluded = true;
+            } else if let Some(problem) = &ext_problem {
+                f.planned_skip = Some(Skip {
+                    reason: SkipReason::NoExtension,
+                    detail: problem.clone(),
+                    fix: Some("CREATE EXTENSION pg_prewarm (as a superuser or rds_superuser)".into()),
+                });
+            }
+            forks.push(f);
+        }
+        databases.push(DatabaseEntry {
+            name: d.name.clone(),
+            outcome: if ext_problem.is_some() { "skipped".into() } else { "planned".into() },
+            reason: ext_problem,
+            prewarm_function: function,
+            counts_against_coverage: true,
+        });
+    }
+
+    for p in opts.include.iter().chain(&opts.first) {
+        let hit = forks.iter().any(|f| {
+            let (schema, table) = f.table.split_once('.').unwrap_or(("", &f.table));
+            p.matches(&f.database, schema, table)
+        });
+        if !hit {
+            return Err(Error::InvalidInput(format!("relation pattern {:?} matches no relation", p.text)));
+        }
+    }
+
+    let ranges = order_ranges(&forks, &opts.first, opts.range_blocks);
+    let plan = Plan {
+        format: PLAN_FORMAT,
+        created_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        server,
+        range_blocks: opts.range_blocks,
+        databases,
+        forks,
+        ranges,
+        plan_seconds: started.elapsed().as_secs_f64(),
+    };
+    info!(
+        databases = plan.databases.iter().filter(|d| d.outcome == "planned").count(),
+        forks = plan.forks.len(),
+        ranges = plan.ranges.len(),
+        bytes = plan.bytes(plan.planned_blocks()),
+        seconds = plan.plan_seconds,
+        "planned"
+    );
+    Ok(plan)
+}
+
+/// Returns the schema-qualified pg_prewarm function, or why it is not available.
+async fn ensure_extension(client: &Client, db: &str, create: bool) -> Result<(Option<String>, Option<String>)> {
+    const FIND: &str = "SELECT format('%I.pg_prewarm', n.nspname)
+                          FROM pg_catalog.pg_extension e JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace
+                         WHERE e.extname = 'pg_prewarm'";
+    if let Some(row) = client.query_opt(FIND, &[]).await.map_err(|e| Error::query("finding pg_prewarm", e))? {
+        return Ok((Some(row.get(0)), None));
+    }
+    if !create {
+        return Ok((None, Some("pg_prewarm is not installed (and --no-create-extension was given)".into())));
+    }
+    match client.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm").await {
+        Ok(()) => {
+            info!(database = %db, "created extension pg_prewarm");
+            let row = client.query_one(FIND, &[]).await.map_err(|e| Error::query("finding pg_prewarm", e))?;
+            Ok((Some(row.get(0)), None))
+        }
+        Err(e) => {
+            warn!(database = %db, error = %describe(&e), "pg_prewarm missing and not creatable");
+            Ok((None, Some(format!("pg_prewarm is not installed and could not be created: {}", describe(&e)))))
+        }
+    }
+}
+
+struct Listed {
+    entry: ForkEntry,
+    kind_is_shared: bool,
+}
+
+async fn list_forks(client: &Client, db: &str, server: &ServerInfo) -> Result<Vec<Listed>> {
+    // pg_prewarm's privilege check: SELECT on the relation itself (indexes and TOAST relations have no
+    // ACL, so only their owner passes) up to 17; from 18, an index is checked on its table.
+    let index_checks_parent = server.major() >= 18;
+    let set_priv = if server.major() >= 16 { "SET" } else { "MEMBER" };
+    let sql = format!(
+        "WITH rels AS (
+           SELECT c.oid, c.relnamespace, c.relname, c.relkind, c.relisshared, c.relowner,
+                  i.indrelid,
+                  CASE WHEN c.relkind = 'i' THEN i.indrelid ELSE c.oid END AS base_oid
+             FROM pg_catalog.pg_class c
+             LEFT JOIN pg_catalog.pg_index i ON i.indexrelid = c.oid
+            WHERE c.relkind IN ('r', 'i', 't', 'm', 'S') AND c.relpersistence <> 't'
+         )
+         SELECT r.oid, rn.nspname::text, r.relname::text, r.relkind::text, r.relisshared,
+                pg_catalog.pg_get_userbyid(r.relowner)::text,
+                (tn.nspname || '.' || coalesce(owner_tbl.relname, b.relname))::text,
+                b.relkind::text,
+                coalesce(pg_catalog.pg_relation_size(r.oid, 'main'), 0),
+                coalesce(pg_catalog.pg_relation_size(r.oid, 'fsm'), 0),
+                coalesce(pg_catalog.pg_relation_size(r.oid, 'vm'), 0),
+                coalesce(pg_catalog.pg_relation_size(r.oid, 'init'), 0),
+                CASE WHEN $1 AND r.relkind = 'i'
+                     THEN pg_catalog.has_table_privilege(r.indrelid, 'SELECT')
+                     ELSE pg_catalog.has_table_privilege(r.oid, 'SELECT') END,
+                pg_catalog.pg_has_role(r.relowner, '{set_priv}'),
+                (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = r.relowner),
+                CASE WHEN r.relkind IN ('r', 'm', 'S')
+                       THEN format('GRANT SELECT ON %I.%I TO %I', rn.nspname, r.relname, current_user)
+                     WHEN $1 AND r.relkind = 'i' AND b.relkind <> 't'
+                       THEN format('GRANT SELECT ON %I.%I TO %I', bn.nspname, b.relname, current_user)
+                     WHEN (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = r.relowner)
+                       THEN format('GRANT pg_read_all_data TO %I', current_user)
+                     ELSE format('GRANT %I TO %I', pg_catalog.pg_get_userbyid(r.relowner), current_user) END
+           FROM rels r
+           JOIN pg_catalog.pg_namespace rn ON rn.oid = r.relnamespace
+           JOIN pg_catalog.pg_class b ON b.oid = r.base_oid
+           JOIN pg_catalog.pg_namespace bn ON bn.oid = b.relnamespace
+           LEFT JOIN pg_catalog.pg_class owner_tbl ON b.relkind = 't' AND owner_tbl.reltoastrelid = b.oid
+           JOIN pg_catalog.pg_namespace tn ON tn.oid = coalesce(owner_tbl.relnamespace, b.relnamespace)
+          ORDER BY r.oid"
+    );
+    let rows = client
+        .query(&sql, &[&index_checks_parent])
+        .await
+        .map_err(|e| Error::query(format!("listing relations of database {db:?}"), e))?;
+    let bs = server.block_size as i64;
+    let mut out = Vec::with_capacity(rows.len() * 2);
+    for row in rows {
+        let oid: u32 = row.get(0);
+        let schema: String = row.get(1);
+        let relkind: String = row.get(3);
+        let shared: bool = row.get(4);
+        let base_kind: String = row.get(7);
+        let kind = match (relkind.as_str(), base_kind.as_str()) {
+            ("r", _) => RelKind::Table,
+            ("t", _) => RelKind::ToastTable,
+            ("i", "t") => RelKind::ToastIndex,
+            ("i", _) => RelKind::Index,
+            ("m", _) => RelKind::MaterializedView,
+            _ => RelKind::Sequence,
+        };
+        let direct: bool = row.get(12);
+        let owner_settable: bool = row.get(13);
+        let owner_is_super: bool = row.get::<_, Option<bool>>(14).unwrap_or(false);
+        let owner: String = row.get(5);
+        let (as_role, planned_skip) = if server.is_superuser || direct {
+            (None, None)
+        } else if owner_settable && !owner_is_super {
+            (Some(owner.clone()), None)
+        } else {
+            let fix: String = row.get(15);
+            (
+                None,
+                Some(Skip {
+                    reason: SkipReason::Permission,
+                    detail: format!(
+                        "{} may not read it (pg_prewarm needs SELECT{}) and cannot act as its owner {}",
+                        server.login_role,
+                        if matches!(kind, RelKind::Index | RelKind::ToastTable | RelKind::ToastIndex) && !index_checks_parent {
+                            "; indexes and TOAST relations are owner-only before PostgreSQL 18"
+                        } else {
+                            ""
+                        },
+                        owner
+                    ),
+                    fix: Some(fix),
+                }),
+            )
+        };
+        for (i, fork) in Fork::ALL.into_iter().enumerate() {
+            let bytes: i64 = row.get(8 + i);
+            if fork != Fork::Main && bytes == 0 {
+                continue;
+            }
+            out.push(Listed {
+                kind_is_shared: shared,
+                entry: ForkEntry {
+                    database: db.to_string(),
+                    schema: schema.clone(),
+                    name: row.get(2),
+                    oid,
+                    kind,
+                    fork,
+                    blocks: (bytes / bs) as u64,
+                    table: row.get(6),
+                    owner: owner.clone(),
+                    as_role: as_role.clone(),
+                    owner_settable: owner_settable && !owner_is_super,
+                    planned_skip: planned_skip.clone(),
+                    excluded: false,
+                },
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Client-side identifier quoting, used only for text shown to people (never for executed SQL).
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}

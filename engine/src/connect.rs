@@ -1,0 +1,521 @@
+//! Where and how to connect: a libpq-style URL or key=value string, the usual PG* environment
+//! variables, and TLS with libpq's sslmode semantics (disable, prefer, require, verify-ca, verify-full)
+//! implemented with rustls.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use tokio_postgres::config::{Host, SslMode};
+use tokio_postgres::{Client, Config};
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use crate::error::{describe, Error, Result};
+
+/// libpq's sslmode values. `prefer` and `require` encrypt without verifying the certificate (as libpq
+/// does); `verify-ca` checks the chain against the CA bundle; `verify-full` also checks the host name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TlsMode {
+    Disable,
+    Prefer,
+    Require,
+    VerifyCa,
+    VerifyFull,
+}
+
+impl FromStr for TlsMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "disable" => TlsMode::Disable,
+            "prefer" | "allow" => TlsMode::Prefer,
+            "require" => TlsMode::Require,
+            "verify-ca" => TlsMode::VerifyCa,
+            "verify-full" => TlsMode::VerifyFull,
+            other => {
+                return Err(Error::InvalidInput(format!(
+                    "sslmode {other:?} is not one of disable, prefer, require, verify-ca, verify-full"
+                )))
+            }
+        })
+    }
+}
+
+impl TlsMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TlsMode::Disable => "disable",
+            TlsMode::Prefer => "prefer",
+            TlsMode::Require => "require",
+            TlsMode::VerifyCa => "verify-ca",
+            TlsMode::VerifyFull => "verify-full",
+        }
+    }
+}
+
+/// Everything needed to open sessions to any database of one server. Holds the password (if any) in
+/// memory only; `target()` and `Debug` never show it.
+#[derive(Clone)]
+pub struct ConnectionSpec {
+    config: Config,
+    tls: TlsMode,
+    ca_file: Option<PathBuf>,
+    application_name: String,
+}
+
+impl std::fmt::Debug for ConnectionSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectionSpec")
+            .field("target", &self.target())
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
+
+/// Removes `key=value` from a URL query or a key=value string; returns the value (percent-decoded for URLs).
+fn take_param(conn: &mut String, key: &str) -> Option<String> {
+    let is_url = conn.starts_with("postgres://") || conn.starts_with("postgresql://");
+    if is_url {
+        let (base, query) = match conn.split_once('?') {
+            Some((b, q)) => (b.to_string(), q.to_string()),
+            None => return None,
+        };
+        let mut found = None;
+        let kept: Vec<&str> = query
+            .split('&')
+            .filter(|kv| {
+                let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+                if k == key {
+                    found = Some(percent_decode(v));
+                    false
+                } else {
+                    true
+                }
+            })
+            .collect();
+        *conn = if kept.is_empty() { base } else { format!("{base}?{}", kept.join("&")) };
+        found
+    } else {
+        let mut found = None;
+        let kept: Vec<&str> = conn
+            .split_whitespace()
+            .filter(|kv| match kv.split_once('=') {
+                Some((k, v)) if k.trim() == key => {
+                    found = Some(v.trim_matches('\'').to_string());
+                    false
+                }
+                _ => true,
+            })
+            .collect();
+        *conn = kept.join(" ");
+        found
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let Ok(b) = u8::from_str_radix(&s[i + 1..i + 3], 16) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+impl ConnectionSpec {
+    /// Builds the spec from an optional connection string (URL or key=value) over the PG* environment
+    /// variables (PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGSSLMODE, PGSSLROOTCERT,
+    /// PGCONNECT_TIMEOUT). Values in the string win over the environment, as in libpq.
+    pub fn parse(conn: Option<&str>, env: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut config = Config::new();
+        if let Some(h) = env("PGHOST") {
+            for host in h.split(',') {
+                config.host(host);
+            }
+        }
+        if let Some(p) = env("PGPORT") {
+            let port: u16 = p
+                .parse()
+                .map_err(|_| Error::InvalidInput(format!("PGPORT {p:?} is not a port number")))?;
+            config.port(port);
+        }
+        if let Some(u) = env("PGUSER") {
+            config.user(&u);
+        }
+        if let Some(pw) = env("PGPASSWORD") {
+            config.password(pw);
+        }
+        if let Some(d) = env("PGDATABASE") {
+            config.dbname(&d);
+        }
+        if let Some(t) = env("PGCONNECT_TIMEOUT") {
+            let secs: u64 = t.parse().map_err(|_| {
+                Error::InvalidInput(format!("PGCONNECT_TIMEOUT {t:?} is not a number of seconds"))
+            })?;
+            config.connect_timeout(Duration::from_secs(secs));
+        }
+        let mut tls = match env("PGSSLMODE") {
+            Some(m) => m.parse()?,
+            None => TlsMode::Prefer,
+        };
+        let mut ca_file = env("PGSSLROOTCERT").map(PathBuf::from);
+
+        if let Some(conn) = conn {
+            let mut s = conn.trim().to_string();
+            if let Some(m) = take_param(&mut s, "sslmode") {
+                tls = m.parse()?;
+            }
+            if let Some(f) = take_param(&mut s, "sslrootcert") {
+                ca_file = Some(PathBuf::from(f));
+            }
+            // A bare word that is neither a URL nor key=value is taken as a database name, like psql.
+            let parsed = if !s.is_empty() && !s.contains('=') && !s.contains("://") {
+                let mut c = Config::new();
+                c.dbname(&s);
+                c
+            } else if s.is_empty() {
+                Config::new()
+            } else {
+                Config::from_str(&s).map_err(|e| {
+                    Error::InvalidInput(format!("connection string is not valid: {}", describe(&e)))
+                })?
+            };
+            if !parsed.get_hosts().is_empty() {
+                config = overlay_hosts(config, &parsed);
+            }
+            if !parsed.get_ports().is_empty() {
+                for p in parsed.get_ports() {
+                    config.port(*p);
+                }
+            }
+            if let Some(u) = parsed.get_user() {
+                config.user(u);
+            }
+            if let Some(pw) = parsed.get_password() {
+                config.password(pw);
+            }
+            if let Some(d) = parsed.get_dbname() {
+                config.dbname(d);
+            }
+            if let Some(t) = parsed.get_connect_timeout() {
+                config.connect_timeout(*t);
+            }
+        }
+        if config.get_hosts().is_empty() {
+            config.host("localhost");
+        }
+        if config.get_user().is_none() {
+            let user = env("USER").unwrap_or_else(|| "postgres".into());
+            config.user(&user);
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(Duration::from_secs(10));
+        }
+        Ok(ConnectionSpec { config, tls, ca_file, application_name: "pghydrate".into() })
+    }
+
+    /// Overrides the TLS mode (e.g. from a command-line option).
+    pub fn with_tls(mut self, mode: TlsMode, ca_file: Option<PathBuf>) -> Self {
+        self.tls = mode;
+        if ca_file.is_some() {
+            self.ca_file = ca_file;
+        }
+        self
+    }
+
+    pub fn with_application_name(mut self, name: impl Into<String>) -> Self {
+        self.application_name = name.into();
+        self
+    }
+
+    pub fn tls_mode(&self) -> TlsMode {
+        self.tls
+    }
+
+    pub fn user(&self) -> &str {
+        self.config.get_user().unwrap_or("")
+    }
+
+    /// The database named in the connection string, used to discover the others.
+    pub fn initial_database(&self) -> &str {
+        self.config.get_dbname().unwrap_or("postgres")
+    }
+
+    /// host:port as a user would recognise it; never contains the password.
+    pub fn target(&self) -> String {
+        let host = match self.config.get_hosts().first() {
+            Some(Host::Tcp(h)) => h.clone(),
+            Some(Host::Unix(p)) => p.display().to_string(),
+            None => "localhost".into(),
+        };
+        let port = self.config.get_ports().first().copied().unwrap_or(5432);
+        format!("{}@{host}:{port}", self.user())
+    }
+
+    fn tls_connector(&self) -> Result<MakeRustlsConnect> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| Error::Tls { target: self.target(), reason: e.to_string() })?;
+        let config = match self.tls {
+            TlsMode::Disable | TlsMode::Prefer | TlsMode::Require => builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(NoVerification(provider)))
+                .with_no_client_auth(),
+            TlsMode::VerifyCa | TlsMode::VerifyFull => {
+                let roots = self.load_roots()?;
+                let inner = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider)
+                    .build()
+                    .map_err(|e| Error::Tls { target: self.target(), reason: e.to_string() })?;
+                let verifier: Arc<dyn ServerCertVerifier> = if self.tls == TlsMode::VerifyCa {
+                    Arc::new(ChainOnly(inner))
+                } else {
+                    inner
+                };
+                builder.dangerous().with_custom_certificate_verifier(verifier).with_no_client_auth()
+            }
+        };
+        Ok(MakeRustlsConnect::new(config))
+    }
+
+    fn load_roots(&self) -> Result<RootCertStore> {
+        let path: PathBuf = match &self.ca_file {
+            Some(p) => p.clone(),
+            None => match std::env::var_os("HOME") {
+                Some(h) if Path::new(&h).join(".postgresql/root.crt").exists() => {
+                    Path::new(&h).join(".postgresql/root.crt")
+                }
+                _ => {
+                    return Err(Error::InvalidInput(format!(
+                        "sslmode {} needs a CA bundle: pass --ca-file (or sslrootcert=) with the server's CA certificates",
+                        self.tls.as_str()
+                    )))
+                }
+            },
+        };
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&path)
+            .map_err(|e| Error::InvalidInput(format!("cannot read CA bundle {}: {e}", path.display())))?
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| Error::InvalidInput(format!("CA bundle {} is not valid PEM: {e}", path.display())))?;
+        if certs.is_empty() {
+            return Err(Error::InvalidInput(format!("CA bundle {} holds no certificate", path.display())));
+        }
+        let mut roots = RootCertStore::empty();
+        let (added, _ignored) = roots.add_parsable_certificates(certs);
+        if added == 0 {
+            return Err(Error::InvalidInput(format!("CA bundle {} holds no usable certificate", path.display())));
+        }
+        Ok(roots)
+    }
+
+    /// Opens one session to `database`. The connection task runs on the current runtime and ends when
+    /// the client is dropped.
+    pub async fn connect(&self, database: &str) -> Result<Client> {
+        let mut config = self.config.clone();
+        config.dbname(database);
+        config.application_name(&self.application_name);
+        config.ssl_mode(match self.tls {
+            TlsMode::Disable => SslMode::Disable,
+            TlsMode::Prefer => SslMode::Prefer,
+            _ => SslMode::Require,
+        });
+        let tls = self.tls_connector()?;
+        let target = format!("{} database {database:?}", self.target());
+        let (client, connection) = config.connect(tls).await.map_err(|e| classify_connect_error(&target, e))?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %describe(&e), "session ended");
+            }
+        });
+        Ok(client)
+    }
+}
+
+fn overlay_hosts(mut base: Config, parsed: &Config) -> Config {
+    let mut fresh = Config::new();
+    for h in parsed.get_hosts() {
+        match h {
+            Host::Tcp(s) => {
+                fresh.host(s);
+            }
+            Host::Unix(p) => {
+                fresh.host_path(p);
+            }
+        }
+    }
+    // Carry everything else over from the environment-based config.
+    if let Some(u) = base.get_user() {
+        fresh.user(u);
+    }
+    if let Some(pw) = base.get_password() {
+        fresh.password(pw.to_vec());
+    }
+    if let Some(d) = base.get_dbname() {
+        fresh.dbname(d);
+    }
+    for p in base.get_ports() {
+        fresh.port(*p);
+    }
+    if let Some(t) = base.get_connect_timeout() {
+        fresh.connect_timeout(*t);
+    }
+    base = fresh;
+    base
+}
+
+fn classify_connect_error(target: &str, e: tokio_postgres::Error) -> Error {
+    let reason = describe(&e);
+    let code = e.code().map(|c| c.code().to_string()).unwrap_or_default();
+    if code == "28P01" || code == "28000" || reason.contains("password missing") {
+        return Error::Authentication { target: target.into(), reason, source: Some(e) };
+    }
+    if reason.contains("TLS") || reason.contains("certificate") || reason.contains("tls") {
+        return Error::Tls { target: target.into(), reason };
+    }
+    Error::Connect { target: target.into(), reason, source: Some(e) }
+}
+
+/// libpq's `require`/`prefer`: encrypted, certificate not checked. Signatures are still verified so the
+/// handshake itself is sound.
+#[derive(Debug)]
+struct NoVerification(Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for NoVerification {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.0.signature_verification_algorithms)
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// libpq's `verify-ca`: the chain must lead to a trusted CA; the host name is not checked.
+#[derive(Debug)]
+struct ChainOnly(Arc<WebPkiServerVerifier>);
+
+impl ServerCertVerifier for ChainOnly {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        match self.0.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn url_wins_over_environment_and_hides_password() {
+        let spec = ConnectionSpec::parse(
+            Some("postgresql://alice:s3cret@db.example:6543/app?sslmode=require"),
+            env(&[("PGHOST", "other"), ("PGUSER", "bob"), ("PGPASSWORD", "envpw")]),
+        )
+        .unwrap();
+        assert_eq!(spec.target(), "alice@db.example:6543");
+        assert_eq!(spec.tls_mode(), TlsMode::Require);
+        assert_eq!(spec.initial_database(), "app");
+        assert!(!format!("{spec:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn environment_alone_is_enough() {
+        let spec = ConnectionSpec::parse(
+            None,
+            env(&[("PGHOST", "h"), ("PGPORT", "7000"), ("PGUSER", "u"), ("PGSSLMODE", "verify-full")]),
+        )
+        .unwrap();
+        assert_eq!(spec.target(), "u@h:7000");
+        assert_eq!(spec.tls_mode(), TlsMode::VerifyFull);
+    }
+
+    #[test]
+    fn verify_modes_are_taken_out_before_the_driver_sees_them() {
+        let spec = ConnectionSpec::parse(
+            Some("host=h port=1 user=u sslmode=verify-ca sslrootcert=/tmp/ca.pem"),
+            env(&[]),
+        )
+        .unwrap();
+        assert_eq!(spec.tls_mode(), TlsMode::VerifyCa);
+        assert_eq!(spec.ca_file.as_deref(), Some(Path::new("/tmp/ca.pem")));
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let e = ConnectionSpec::parse(Some("postgresql://h/db?sslmode=maybe"), env(&[])).unwrap_err();
+        assert!(e.to_string().contains("sslmode \"maybe\""), "{e}");
+        let e = ConnectionSpec::parse(None, env(&[("PGPORT", "abc")])).unwrap_err();
+        assert!(e.to_string().contains("PGPORT"), "{e}");
+    }
+}

@@ -1,0 +1,20 @@
+//! pghydrate's engine: everything the CLI and the Lambdas do, as a library.
+//!
+//! - [`catalog`] discovers databases and every relation fork with storage, and builds a [`plan::Plan`];
+//! - [`warm`] reads the plan's block ranges with pg_prewarm in parallel sessions;
+//! - [`maintain`] runs ANALYZE / VACUUM ANALYZE;
+//! - [`run::RunState`] is a whole hydration as one serializable value (the continuation);
+//! - [`report`] turns a state into the report.
+
+pub mod catalog;
+pub mod connect;
+pub mod error;
+pub mod maintain;
+pub mod pattern;
+pub mod plan;
+pub mod report;
+pub mod run;
+pub mod warm;
+
+pub use connect::{ConnectionSpec, TlsMode};
+pub use error::{Error, Result};

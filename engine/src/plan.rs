@@ -1,0 +1,364 @@
+//! The plan: every relation fork of every database, each with what will happen to it, and the block
+//! ranges to read, in the order they will be read. A plain serializable value: the CLI prints it, a
+//! continuation carries it, the Lambdas will pass it through S3.
+
+use serde::{Deserialize, Serialize};
+
+use crate::pattern::RelationPattern;
+
+/// Bumped whenever the serialized shape changes incompatibly.
+pub const PLAN_FORMAT: u32 = 1;
+
+/// Default block-range size: 8192 blocks (64 MiB with 8 KiB blocks). See docs/tuning.md for the
+/// measurement behind it.
+pub const DEFAULT_RANGE_BLOCKS: u64 = 8192;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ServerInfo {
+    /// server_version_num, e.g. 170011.
+    pub version_num: u32,
+    pub version: String,
+    pub block_size: u64,
+    pub login_role: String,
+    pub is_superuser: bool,
+    pub max_connections: u32,
+    /// Slots kept for superusers and reserved roles.
+    pub reserved_connections: u32,
+    /// Client backends connected when the plan was made.
+    pub connections_in_use: u32,
+}
+
+impl ServerInfo {
+    pub fn major(&self) -> u32 {
+        self.version_num / 10000
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum Fork {
+    Main,
+    Fsm,
+    Vm,
+    Init,
+}
+
+impl Fork {
+    pub const ALL: [Fork; 4] = [Fork::Main, Fork::Fsm, Fork::Vm, Fork::Init];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fork::Main => "main",
+            Fork::Fsm => "fsm",
+            Fork::Vm => "vm",
+            Fork::Init => "init",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum RelKind {
+    Table,
+    Index,
+    ToastTable,
+    ToastIndex,
+    MaterializedView,
+    Sequence,
+}
+
+/// Why a fork is not (or not entirely) read. Stable names: they appear in reports.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SkipReason {
+    /// The login role may not read it and cannot act as its owner.
+    Permission,
+    /// pg_prewarm is not installed in the database and could not be created.
+    NoExtension,
+    /// The database could not be reached during the run.
+    DatabaseUnreachable,
+    /// The relation was dropped after it was planned.
+    Dropped,
+    /// The relation shrank after it was planned; the missing blocks no longer exist.
+    Truncated,
+    /// A lock could not be had within lock_timeout, on every attempt.
+    LockTimeout,
+    /// A single block could not be read within statement_timeout.
+    StatementTimeout,
+    /// The session was lost and could not be re-established in time.
+    ConnectionLost,
+    /// Any other server error (its message is in the detail).
+    Error,
+}
+
+impl SkipReason {
+    /// Blocks that vanished (dropped, truncated) no longer exist: they need no hydration and do not
+    /// count against coverage.
+    pub fn vanished(self) -> bool {
+        matches!(self, SkipReason::Dropped | SkipReason::Truncated)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Skip {
+    pub reason: SkipReason,
+    pub detail: String,
+    /// The statement that would let the next run read it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<String>,
+}
+
+/// One fork of one relation in one database.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ForkEntry {
+    pub database: String,
+    pub schema: String,
+    pub name: String,
+    pub oid: u32,
+    pub kind: RelKind,
+    pub fork: Fork,
+    /// Blocks when planned (pg_relation_size / block_size).
+    pub blocks: u64,
+    /// `schema.table` of the table this relation belongs to (itself for tables).
+    pub table: String,
+    pub owner: String,
+    /// Role to act as (SET ROLE) when reading, when the login role cannot read it itself.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub as_role: Option<String>,
+    /// The login role may act as the owner (used when the server refuses a direct read).
+    pub owner_settable: bool,
+    /// Decided at planning time: excluded by a pattern, or unreadable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub planned_skip: Option<Skip>,
+    /// Excluded by the user's patterns: listed, never read, not counted in coverage.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub excluded: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct DatabaseEntry {
+    pub name: String,
+    /// "planned", "skipped" or "excluded".
+    pub outcome: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Schema-qualified, server-quoted pg_prewarm function name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prewarm_function: Option<String>,
+    /// Whether this database being skipped makes the run incomplete (templates and
+    /// non-connectable databases by definition do not).
+    pub counts_against_coverage: bool,
+}
+
+/// Inclusive block range `[first, last]` of one fork (`fork` indexes `Plan::forks`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockRange {
+    pub fork: u32,
+    pub first: u64,
+    pub last: u64,
+}
+
+impl BlockRange {
+    pub fn blocks(&self) -> u64 {
+        self.last - self.first + 1
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Plan {
+    pub format: u32,
+    pub created_at: String,
+    pub server: ServerInfo,
+    pub range_blocks: u64,
+    pub databases: Vec<DatabaseEntry>,
+    pub forks: Vec<ForkEntry>,
+    /// Ranges to read, in reading order.
+    pub ranges: Vec<BlockRange>,
+    pub plan_seconds: f64,
+}
+
+impl Plan {
+    pub fn fork(&self, r: &BlockRange) -> &ForkEntry {
+        &self.forks[r.fork as usize]
+    }
+
+    pub fn bytes(&self, blocks: u64) -> u64 {
+        blocks * self.server.block_size
+    }
+
+    pub fn planned_blocks(&self) -> u64 {
+        self.ranges.iter().map(BlockRange::blocks).sum()
+    }
+
+    pub fn prewarm_function(&self, database: &str) -> Option<&str> {
+        self.databases.iter().find(|d| d.name == database).and_then(|d| d.prewarm_function.as_deref())
+    }
+}
+
+/// Splits `blocks` blocks into consecutive inclusive ranges of at most `range_blocks`.
+pub fn split_blocks(blocks: u64, range_blocks: u64) -> Vec<(u64, u64)> {
+    assert!(range_blocks > 0, "range size must be positive");
+    let mut out = Vec::with_capacity(blocks.div_ceil(range_blocks) as usize);
+    let mut first = 0;
+    while first < blocks {
+        let last = (first + range_blocks - 1).min(blocks - 1);
+        out.push((first, last));
+        first = last + 1;
+    }
+    out
+}
+
+/// Builds the reading order for the forks that are to be read: forks of tables matching a `first`
+/// pattern come first (in pattern order), then forks of at least one full range, largest first (so
+/// that no giant relation is the tail: its ranges are spread over every session), then the small
+/// forks grouped by database (so that sessions do not hop between databases), largest first.
+pub fn order_ranges(forks: &[ForkEntry], first: &[RelationPattern], range_blocks: u64) -> Vec<BlockRange> {
+    let mut readable: Vec<(usize, &ForkEntry)> = forks
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| f.planned_skip.is_none() && !f.excluded && f.blocks > 0)
+        .collect();
+    let priority = |f: &ForkEntry| -> usize {
+        let (schema, table) = f.table.split_once('.').unwrap_or(("", &f.table));
+        first
+            .iter()
+            .position(|p| p.matches(&f.database, schema, table))
+            .unwrap_or(first.len())
+    };
+    readable.sort_by(|(ia, a), (ib, b)| {
+        let pa = priority(a);
+        let pb = priority(b);
+        let large_a = a.blocks >= range_blocks;
+        let large_b = b.blocks >= range_blocks;
+        pa.cmp(&pb)
+            .then(large_b.cmp(&large_a))
+            .then_with(|| if large_a { std::cmp::Ordering::Equal } else { a.database.cmp(&b.database) })
+            .then(b.blocks.cmp(&a.blocks))
+            .then(ia.cmp(ib))
+    });
+    let mut ranges = Vec::new();
+    for (i, f) in readable {
+        for (first, last) in split_blocks(f.blocks, range_blocks) {
+            ranges.push(BlockRange { fork: i as u32, first, last });
+        }
+    }
+    ranges
+}
+
+/// A unit of work for one worker: ranges of one database, at most `max_blocks` blocks unless a single
+/// range is larger. Used by the workflow's Map state; the CLI schedules ranges directly.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WorkItem {
+    pub database: String,
+    pub ranges: Vec<BlockRange>,
+}
+
+impl WorkItem {
+    pub fn blocks(&self) -> u64 {
+        self.ranges.iter().map(BlockRange::blocks).sum()
+    }
+}
+
+/// Packs the plan's ranges, in order, into work items of at most `max_blocks` blocks each, never
+/// mixing databases within an item.
+pub fn pack_work_items(plan: &Plan, max_blocks: u64) -> Vec<WorkItem> {
+    let mut open: Vec<WorkItem> = Vec::new();
+    let mut done: Vec<WorkItem> = Vec::new();
+    for r in &plan.ranges {
+        let db = &plan.fork(r).database;
+        let slot = open.iter().position(|w| &w.database == db);
+        match slot {
+            Some(i) if open[i].blocks() + r.blocks() <= max_blocks => open[i].ranges.push(*r),
+            Some(i) => {
+                let full = std::mem::replace(&mut open[i], WorkItem { database: db.clone(), ranges: vec![*r] });
+                done.push(full);
+            }
+            None => open.push(WorkItem { database: db.clone(), ranges: vec![*r] }),
+        }
+    }
+    done.extend(open);
+    done
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn fork(db: &str, table: &str, blocks: u64) -> ForkEntry {
+        ForkEntry {
+            database: db.into(),
+            schema: "public".into(),
+            name: table.into(),
+            oid: 1,
+            kind: RelKind::Table,
+            fork: Fork::Main,
+            blocks,
+            table: format!("public.{table}"),
+            owner: "o".into(),
+            as_role: None,
+            owner_settable: false,
+            planned_skip: None,
+            excluded: false,
+        }
+    }
+
+    proptest! {
+        /// Ranges of a fork never overlap, leave no gap, stay within the fork and respect the size.
+        #[test]
+        fn split_covers_exactly(blocks in 0u64..200_000, range_blocks in 1u64..20_000) {
+            let ranges = split_blocks(blocks, range_blocks);
+            let mut next = 0;
+            for (first, last) in &ranges {
+                prop_assert_eq!(*first, next);
+                prop_assert!(last >= first);
+                prop_assert!(last - first < range_blocks);
+                next = last + 1;
+            }
+            prop_assert_eq!(next, blocks);
+        }
+
+        /// The ordered plan holds every block of every readable fork exactly once.
+        #[test]
+        fn ordering_covers_every_readable_block_once(
+            sizes in proptest::collection::vec((0u64..50_000, 0usize..3, any::<bool>()), 0..40),
+            range_blocks in 1u64..10_000,
+        ) {
+            let forks: Vec<ForkEntry> = sizes.iter().enumerate().map(|(i, (b, db, skip))| {
+                let mut f = fork(&format!("db{db}"), &format!("t{i}"), *b);
+                if *skip {
+                    f.planned_skip = Some(Skip { reason: SkipReason::Permission, detail: String::new(), fix: None });
+                }
+                f
+            }).collect();
+            let ranges = order_ranges(&forks, &[], range_blocks);
+            let mut per_fork: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = Default::default();
+            for r in &ranges { per_fork.entry(r.fork).or_default().push((r.first, r.last)); }
+            for (i, f) in forks.iter().enumerate() {
+                let mut got = per_fork.remove(&(i as u32)).unwrap_or_default();
+                got.sort();
+                if f.planned_skip.is_some() { prop_assert!(got.is_empty()); continue; }
+                let mut next = 0;
+                for (first, last) in got { prop_assert_eq!(first, next); next = last + 1; }
+                prop_assert_eq!(next, f.blocks);
+            }
+        }
+    }
+
+    #[test]
+    fn priority_then_largest_then_small_by_database() {
+        let forks = vec![
+            fork("b", "small_b", 3),
+            fork("a", "big", 100),
+            fork("a", "small_a", 5),
+            fork("a", "urgent", 2),
+            fork("c", "bigger", 300),
+        ];
+        let first = vec![RelationPattern::parse("urgent").unwrap()];
+        let ranges = order_ranges(&forks, &first, 50);
+        let order: Vec<&str> = ranges.iter().map(|r| forks[r.fork as usize].name.as_str()).collect();
+        assert_eq!(
+            order,
+            ["urgent", "bigger", "bigger", "bigger", "bigger", "bigger", "bigger", "big", "big", "small_a", "small_b"]
+        );
+    }
+}

@@ -1,0 +1,150 @@
+//! A whole hydration as one serializable state: the plan, what has happened to each range, what is
+//! left, and maintenance. Saved as the continuation when a deadline stops a run; `resume` picks it up
+//! and does exactly the rest. Holds no secret: the connection is given again on resume.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::connect::ConnectionSpec;
+use crate::error::{Error, Result};
+use crate::maintain::{self, MaintainOptions, Maintenance, MaintenanceResult, MaintenanceTarget};
+use crate::plan::{BlockRange, Plan, ServerInfo};
+use crate::warm::{self, Counters, Mode, RangeOutcome, WarmOptions};
+
+pub const STATE_FORMAT: u32 = 1;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RunState {
+    pub format: u32,
+    pub plan: Plan,
+    pub mode: Mode,
+    pub sessions: u32,
+    pub maintenance: Maintenance,
+    /// Every outcome so far; with `pending` they partition the plan's ranges.
+    pub outcomes: Vec<RangeOutcome>,
+    pub pending: Vec<BlockRange>,
+    /// None until maintenance starts; then the tables still to do.
+    pub maintenance_pending: Option<Vec<MaintenanceTarget>>,
+    pub maintenance_results: Vec<MaintenanceResult>,
+    pub warm_seconds: f64,
+    pub maintain_seconds: f64,
+    /// How many calls (runs, resumes, Lambda invocations) worked on this state.
+    pub calls: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub warm: WarmOptions,
+    pub maintenance: Maintenance,
+    pub maintenance_timeout: Duration,
+}
+
+/// The session count actually used: at most the request, and at most half of the connection slots
+/// free when the plan was made (never fewer than one). Returns a warning when it had to cap.
+pub fn effective_sessions(requested: u32, server: &ServerInfo) -> (u32, Option<String>) {
+    let free = server
+        .max_connections
+        .saturating_sub(server.reserved_connections)
+        .saturating_sub(server.connections_in_use);
+    let cap = (free / 2).max(1);
+    if requested > cap {
+        (
+            cap,
+            Some(format!(
+                "using {cap} sessions instead of {requested}: the server has {free} free connection slots \
+                 (max_connections {}, reserved {}, in use {}) and pghydrate takes at most half",
+                server.max_connections, server.reserved_connections, server.connections_in_use
+            )),
+        )
+    } else {
+        (requested, None)
+    }
+}
+
+impl RunState {
+    pub fn new(plan: Plan, mode: Mode, sessions: u32, maintenance: Maintenance) -> Self {
+        let pending = plan.ranges.clone();
+        RunState {
+            format: STATE_FORMAT,
+            plan,
+            mode,
+            sessions,
+            maintenance,
+            outcomes: Vec::new(),
+            pending,
+            maintenance_pending: None,
+            maintenance_results: Vec::new(),
+            warm_seconds: 0.0,
+            maintain_seconds: 0.0,
+            calls: 0,
+        }
+    }
+
+    /// Whether nothing is left to do (warming and maintenance).
+    pub fn finished(&self) -> bool {
+        self.pending.is_empty()
+            && (self.maintenance == Maintenance::None
+                || self.maintenance_pending.as_ref().is_some_and(|p| p.is_empty()))
+    }
+
+    pub fn from_json(text: &str) -> Result<Self> {
+        let state: RunState = serde_json::from_str(text)
+            .map_err(|e| Error::InvalidInput(format!("not a pghydrate continuation: {e}")))?;
+        if state.format != STATE_FORMAT {
+            return Err(Error::InvalidInput(format!(
+                "continuation format {} is not supported (expected {STATE_FORMAT})",
+                state.format
+            )));
+        }
+        Ok(state)
+    }
+
+    /// Works on the state until it is finished or the deadline in `opts` comes.
+    pub async fn advance(&mut self, spec: &ConnectionSpec, opts: &RunOptions, counters: Arc<Counters>) -> Result<()> {
+        self.calls += 1;
+        let mut warm_opts = opts.warm.clone();
+        warm_opts.mode = self.mode;
+        warm_opts.sessions = self.sessions;
+        if !self.pending.is_empty() {
+            let started = Instant::now();
+            let plan = Arc::new(self.plan.clone());
+            let ranges = std::mem::take(&mut self.pending);
+            info!(ranges = ranges.len(), sessions = self.sessions, mode = self.mode.as_str(), "warming");
+            let (outcomes, pending) = warm::warm(spec, plan, ranges, &warm_opts, counters).await?;
+            self.outcomes.extend(outcomes);
+            self.pending = pending;
+            self.warm_seconds += started.elapsed().as_secs_f64();
+            if !self.pending.is_empty() {
+                warn!(ranges_left = self.pending.len(), "stopped at the deadline with ranges left");
+                return Ok(());
+            }
+        }
+        if self.maintenance == Maintenance::None {
+            return Ok(());
+        }
+        let near = opts.warm.deadline.is_some_and(|d| d.saturating_duration_since(Instant::now()) <= opts.warm.margin);
+        if near {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let targets = match self.maintenance_pending.take() {
+            Some(t) => t,
+            None => maintain::targets(spec, &self.plan).await?,
+        };
+        let mopts = MaintainOptions {
+            action: self.maintenance,
+            statement_timeout: opts.maintenance_timeout,
+            lock_timeout: opts.warm.lock_timeout,
+            deadline: opts.warm.deadline,
+            margin: opts.warm.margin,
+        };
+        let (results, left) = maintain::maintain(spec, targets, &mopts).await;
+        self.maintenance_results.extend(results);
+        self.maintenance_pending = Some(left);
+        self.maintain_seconds += started.elapsed().as_secs_f64();
+        Ok(())
+    }
+}
