@@ -1,1 +1,451 @@
-fn main(){}
+//! `pghydrate`: hydrate a PostgreSQL server's storage by reading every block of every relation.
+//! This binary only translates options into engine calls and results into output and exit codes.
+
+mod progress;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use pghydrate::catalog::{make_plan, PlanOptions};
+use pghydrate::error::exit;
+use pghydrate::maintain::Maintenance;
+use pghydrate::pattern::RelationPattern;
+use pghydrate::plan::{Plan, DEFAULT_RANGE_BLOCKS};
+use pghydrate::report::{self, human_bytes};
+use pghydrate::run::{effective_sessions, RunOptions, RunState};
+use pghydrate::warm::{Counters, Mode, WarmOptions};
+use pghydrate::{ConnectionSpec, Error, TlsMode};
+
+#[derive(Parser)]
+#[command(name = "pghydrate", version, about = "Read every block of every PostgreSQL relation, verifiably, so a restored volume is fast before traffic finds it slow")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// More log output (debug).
+    #[arg(short, long, global = true)]
+    verbose: bool,
+    /// Only warnings and errors in the log.
+    #[arg(short, long, global = true)]
+    quiet: bool,
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Plan and hydrate: read every block, then maintain, then report.
+    Run {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[command(flatten)]
+        plan: PlanArgs,
+        #[command(flatten)]
+        warm: WarmArgs,
+        #[command(flatten)]
+        out: OutArgs,
+    },
+    /// Show what `run` would read, and what it could not, without reading or changing anything.
+    Plan {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[command(flatten)]
+        plan: PlanArgs,
+        /// Print the plan as JSON (the engine's serializable plan).
+        #[arg(long)]
+        json: bool,
+        /// List every relation fork, not only the largest and the skipped ones.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Continue a run that stopped at its time limit, from its continuation file.
+    Resume {
+        /// The continuation file written by `run --time-limit`.
+        continuation: PathBuf,
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[command(flatten)]
+        warm: WarmArgs,
+        #[command(flatten)]
+        out: OutArgs,
+    },
+}
+
+#[derive(Args)]
+struct ConnArgs {
+    /// postgresql://user@host:port/dbname?sslmode=... or "host=... user=...". Unset parts come from
+    /// PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGSSLMODE, PGSSLROOTCERT.
+    connection: Option<String>,
+    /// TLS mode, overriding sslmode: disable, prefer, require, verify-ca, verify-full.
+    #[arg(long, value_parser = parse_tls)]
+    tls: Option<TlsMode>,
+    /// CA bundle (PEM) for verify-ca / verify-full, overriding sslrootcert.
+    #[arg(long)]
+    ca_file: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Only databases matching this glob (repeatable). Default: all but rdsadmin.
+    #[arg(long = "include-database", value_name = "GLOB")]
+    include_databases: Vec<String>,
+    /// Skip databases matching this glob (repeatable).
+    #[arg(long = "exclude-database", value_name = "GLOB")]
+    exclude_databases: Vec<String>,
+    /// Only tables matching [database:]schema.table globs (repeatable); indexes and TOAST follow their table.
+    #[arg(long, value_name = "PATTERN", value_parser = parse_pattern)]
+    include: Vec<RelationPattern>,
+    /// Skip tables matching [database:]schema.table globs (repeatable).
+    #[arg(long, value_name = "PATTERN", value_parser = parse_pattern)]
+    exclude: Vec<RelationPattern>,
+    /// Read tables matching these patterns first, in the order given (repeatable).
+    #[arg(long, value_name = "PATTERN", value_parser = parse_pattern)]
+    first: Vec<RelationPattern>,
+    /// Blocks per range, the unit of work (8192 blocks = 64 MiB at 8 KiB).
+    #[arg(long, default_value_t = DEFAULT_RANGE_BLOCKS, value_parser = clap::value_parser!(u64).range(1..))]
+    range_blocks: u64,
+    /// Do not CREATE EXTENSION pg_prewarm where it is missing (those databases are then skipped).
+    #[arg(long)]
+    no_create_extension: bool,
+}
+
+#[derive(Args)]
+struct WarmArgs {
+    /// Parallel sessions (capped at half the server's free connection slots).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    sessions: u32,
+    /// pg_prewarm mode: auto picks per server version (read before 17, buffer from 17).
+    #[arg(long, value_enum, default_value = "auto")]
+    mode: ModeArg,
+    /// After warming: analyze, vacuum-analyze or none.
+    #[arg(long, value_enum, default_value = "analyze")]
+    maintenance: MaintenanceArg,
+    /// Upper bound of one pg_prewarm call.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    statement_timeout: Duration,
+    /// Wait at most this long for a lock; a locked relation is retried later.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    lock_timeout: Duration,
+    /// Attempts per range under lock contention before it is skipped.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    lock_attempts: u32,
+    /// Stop after this long (e.g. 14m): no range starts when less than --margin is left, and the
+    /// work left is written to the continuation file.
+    #[arg(long, value_parser = parse_duration)]
+    time_limit: Option<Duration>,
+    /// Safety margin before the time limit.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    margin: Duration,
+    /// How long a lost session keeps reconnecting before its database is declared unreachable.
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    reconnect_for: Duration,
+    /// Upper bound of one ANALYZE / VACUUM statement.
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    maintenance_timeout: Duration,
+}
+
+#[derive(Args)]
+struct OutArgs {
+    /// Write the full JSON report here.
+    #[arg(long, value_name = "PATH")]
+    report: Option<PathBuf>,
+    /// Where to write the continuation when the time limit stops the run.
+    #[arg(long, value_name = "PATH", default_value = "pghydrate-continuation.json")]
+    continuation: PathBuf,
+    /// Progress display: auto (a bar on a terminal, lines otherwise), bar, lines, none.
+    #[arg(long, value_enum, default_value = "auto")]
+    progress: progress::Style,
+    /// Seconds between progress lines.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    progress_interval: Duration,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ModeArg {
+    Auto,
+    Read,
+    Buffer,
+    Prefetch,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum MaintenanceArg {
+    Analyze,
+    VacuumAnalyze,
+    None,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("{e} (examples: 30s, 5m, 1h30m)"))
+}
+
+fn parse_tls(s: &str) -> Result<TlsMode, String> {
+    s.parse().map_err(|e: Error| e.to_string())
+}
+
+fn parse_pattern(s: &str) -> Result<RelationPattern, String> {
+    RelationPattern::parse(s).map_err(|e| e.to_string())
+}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind::*;
+            if matches!(e.kind(), DisplayHelp | DisplayVersion | DisplayHelpOnMissingArgumentOrSubcommand) {
+                e.exit();
+            }
+            // One line: what is wrong. `--help` has the rest.
+            let text = e.render().to_string();
+            let line = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid arguments");
+            eprintln!("pghydrate: {}", line.trim_start_matches("error: "));
+            std::process::exit(exit::INVALID_INPUT);
+        }
+    };
+    init_logging(&cli);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let code = runtime.block_on(async {
+        match execute(cli.command).await {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("pghydrate: {e}");
+                e.exit_code()
+            }
+        }
+    });
+    std::process::exit(code);
+}
+
+fn init_logging(cli: &Cli) {
+    let default = if cli.verbose {
+        "pghydrate=debug,warn"
+    } else if cli.quiet {
+        "warn"
+    } else {
+        "pghydrate=info,warn"
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("PGHYDRATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.with_target(false).init(),
+    }
+}
+
+fn spec_of(conn: &ConnArgs) -> pghydrate::Result<ConnectionSpec> {
+    let spec = ConnectionSpec::parse(conn.connection.as_deref(), |k| std::env::var(k).ok())?;
+    let spec = match conn.tls {
+        Some(mode) => spec.with_tls(mode, conn.ca_file.clone()),
+        None => {
+            let mode = spec.tls_mode();
+            spec.with_tls(mode, conn.ca_file.clone())
+        }
+    };
+    if spec.tls_mode() == TlsMode::Disable {
+        tracing::warn!("TLS is disabled: the session, including the password exchange, is not encrypted");
+    }
+    Ok(spec)
+}
+
+fn plan_options(p: &PlanArgs, create_extension: bool) -> PlanOptions {
+    PlanOptions {
+        include_databases: p.include_databases.clone(),
+        exclude_databases: p.exclude_databases.clone(),
+        include: p.include.clone(),
+        exclude: p.exclude.clone(),
+        first: p.first.clone(),
+        range_blocks: p.range_blocks,
+        create_extension,
+    }
+}
+
+fn run_options(w: &WarmArgs, started: Instant) -> RunOptions {
+    RunOptions {
+        warm: WarmOptions {
+            sessions: w.sessions,
+            mode: Mode::Read, // replaced by the state's resolved mode
+            statement_timeout: w.statement_timeout,
+            lock_timeout: w.lock_timeout,
+            lock_attempts: w.lock_attempts,
+            deadline: w.time_limit.map(|t| started + t),
+            margin: w.margin,
+            reconnect_for: w.reconnect_for,
+        },
+        maintenance: match w.maintenance {
+            MaintenanceArg::Analyze => Maintenance::Analyze,
+            MaintenanceArg::VacuumAnalyze => Maintenance::VacuumAnalyze,
+            MaintenanceArg::None => Maintenance::None,
+        },
+        maintenance_timeout: w.maintenance_timeout,
+    }
+}
+
+async fn execute(command: Command) -> pghydrate::Result<i32> {
+    let started = Instant::now();
+    match command {
+        Command::Plan { conn, plan, json, all } => {
+            let spec = spec_of(&conn)?;
+            let plan = make_plan(&spec, &plan_options(&plan, false)).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&plan).expect("plan serializes"));
+            } else {
+                print!("{}", plan_table(&plan, all));
+            }
+            Ok(exit::COMPLETE)
+        }
+        Command::Run { conn, plan, warm, out } => {
+            let spec = spec_of(&conn)?;
+            if let Some(t) = warm.time_limit {
+                if t <= warm.margin {
+                    return Err(Error::InvalidInput(format!(
+                        "--time-limit {} must be longer than --margin {}",
+                        humantime::format_duration(t),
+                        humantime::format_duration(warm.margin)
+                    )));
+                }
+            }
+            let opts = run_options(&warm, started);
+            let plan = make_plan(&spec, &plan_options(&plan, true)).await?;
+            let mode = match warm.mode {
+                ModeArg::Auto => Mode::auto(&plan.server),
+                ModeArg::Read => Mode::Read,
+                ModeArg::Buffer => Mode::Buffer,
+                ModeArg::Prefetch => Mode::Prefetch,
+            };
+            let (sessions, warning) = effective_sessions(warm.sessions, &plan.server);
+            if let Some(w) = warning {
+                tracing::warn!("{w}");
+            }
+            let mut state = RunState::new(plan, mode, sessions, opts.maintenance);
+            drive(&spec, &mut state, &opts, &out).await
+        }
+        Command::Resume { continuation, conn, warm, out } => {
+            let spec = spec_of(&conn)?;
+            let text = std::fs::read_to_string(&continuation).map_err(|e| Error::Io {
+                context: format!("reading continuation {}", continuation.display()),
+                source: e,
+            })?;
+            let mut state = RunState::from_json(&text)?;
+            let opts = run_options(&warm, started);
+            tracing::info!(
+                ranges_left = state.pending.len(),
+                bytes_left = state.pending.iter().map(|r| state.plan.bytes(r.blocks())).sum::<u64>(),
+                "resuming"
+            );
+            drive(&spec, &mut state, &opts, &out).await
+        }
+    }
+}
+
+async fn drive(spec: &ConnectionSpec, state: &mut RunState, opts: &RunOptions, out: &OutArgs) -> pghydrate::Result<i32> {
+    let counters = Arc::new(Counters::default());
+    let already: u64 = state
+        .outcomes
+        .iter()
+        .map(|o| state.plan.bytes(o.range.blocks()))
+        .sum();
+    let display = progress::start(out.progress, out.progress_interval, counters.clone(), already);
+    let result = state.advance(spec, opts, counters).await;
+    display.finish().await;
+    result?;
+
+    let report = report::build(state);
+    if let Some(path) = &out.report {
+        write_json(path, &report)?;
+        tracing::info!(path = %path.display(), "report written");
+    }
+    if !state.finished() {
+        write_json(&out.continuation, state)?;
+        eprintln!(
+            "pghydrate: time limit reached; {} left. Continue with: pghydrate resume {} [CONNECTION]",
+            human_bytes(report.pending_bytes),
+            out.continuation.display()
+        );
+    } else if out.continuation.exists() && state.calls > 1 {
+        // The continuation we resumed from is done with.
+        let _ = std::fs::remove_file(&out.continuation);
+    }
+    println!("{}", report.summary());
+    Ok(report.exit_code)
+}
+
+fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> pghydrate::Result<()> {
+    let text = serde_json::to_string_pretty(value).expect("serializes");
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| Error::Io { context: format!("writing {}", path.display()), source: e })
+}
+
+fn plan_table(plan: &Plan, all: bool) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let bs = plan.server.block_size;
+    let _ = writeln!(s, "server: {} (as {})", plan.server.version.split(" on ").next().unwrap_or(""), plan.server.login_role);
+    let _ = writeln!(s, "{:<24} {:>8} {:>8} {:>10} {:>8}  note", "database", "forks", "ranges", "size", "skipped");
+    for d in &plan.databases {
+        let forks: Vec<_> = plan.forks.iter().filter(|f| f.database == d.name && !f.excluded).collect();
+        let ranges = plan.ranges.iter().filter(|r| plan.fork(r).database == d.name).count();
+        let bytes: u64 = forks.iter().map(|f| f.blocks * bs).sum();
+        let skipped = forks.iter().filter(|f| f.planned_skip.is_some()).count();
+        let _ = writeln!(
+            s,
+            "{:<24} {:>8} {:>8} {:>10} {:>8}  {}",
+            d.name,
+            forks.len(),
+            ranges,
+            human_bytes(bytes),
+            skipped,
+            d.reason.as_deref().unwrap_or(&d.outcome)
+        );
+    }
+    let total: u64 = plan.planned_blocks() * bs;
+    let _ = writeln!(s, "to read: {} in {} ranges of up to {} blocks", human_bytes(total), plan.ranges.len(), plan.range_blocks);
+    let _ = writeln!(s);
+    let _ = writeln!(s, "{:<16} {:<40} {:<18} {:<5} {:>10} {:>10}  action", "database", "relation", "kind", "fork", "blocks", "size");
+    let mut rows: Vec<_> = plan.forks.iter().filter(|f| !f.excluded).collect();
+    rows.sort_by(|a, b| b.blocks.cmp(&a.blocks));
+    let shown = rows
+        .iter()
+        .enumerate()
+        .filter(|(i, f)| all || *i < 25 || f.planned_skip.is_some())
+        .map(|(_, f)| *f);
+    let mut n = 0;
+    for f in shown {
+        n += 1;
+        let action = match (&f.planned_skip, &f.as_role) {
+            (Some(sk), _) => format!("skip: {}{}", sk.detail, sk.fix.as_deref().map(|x| format!("; fix: {x}")).unwrap_or_default()),
+            (None, Some(r)) => format!("read as owner {r}"),
+            (None, None) => "read".into(),
+        };
+        let kind = serde_json::to_value(f.kind).unwrap().as_str().unwrap_or("").to_string();
+        let _ = writeln!(
+            s,
+            "{:<16} {:<40} {:<18} {:<5} {:>10} {:>10}  {}",
+            f.database,
+            format!("{}.{}", f.schema, f.name),
+            kind,
+            f.fork.as_str(),
+            f.blocks,
+            human_bytes(f.blocks * bs),
+            action
+        );
+    }
+    if n < rows.len() {
+        let _ = writeln!(s, "... {} more forks (--all lists every fork, --json gives the whole plan)", rows.len() - n);
+    }
+    s
+}

@@ -135,7 +135,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
 
     let mut databases = Vec::new();
     let mut forks: Vec<ForkEntry> = Vec::new();
-    let mut seen_shared: HashSet<u32> = HashSet::new();
+    let mut seen_shared: HashSet<(u32, Fork)> = HashSet::new();
     for d in &dbs {
         let included = if opts.include_databases.is_empty() {
             !DEFAULT_EXCLUDED_DATABASES.contains(&d.name.as_str())
@@ -196,7 +196,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         let mut db_forks = list_forks(&client, &d.name, &server).await?;
         db_forks.retain(|f| {
             // Shared catalogs appear in every database: read them once.
-            !(f.kind_is_shared && !seen_shared.insert(f.entry.oid))
+            !(f.kind_is_shared && !seen_shared.insert((f.entry.oid, f.entry.fork)))
         });
         for mut f in db_forks.into_iter().map(|f| f.entry) {
             let (schema, table) = f.table.split_once('.').unwrap_or(("", &f.table));

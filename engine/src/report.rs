@@ -290,7 +290,8 @@ impl Report {
         for (reason, t) in &self.skipped_by_reason {
             let _ = writeln!(s, "    {reason}: {} forks, {}", t.forks, human_bytes(t.bytes));
         }
-        let skipped: Vec<&RelationReport> = self.relations.iter().filter(|r| r.outcome == "skipped").collect();
+        let mut skipped: Vec<&RelationReport> = self.relations.iter().filter(|r| r.outcome == "skipped").collect();
+        skipped.sort_by_key(|r| std::cmp::Reverse(r.blocks));
         for r in skipped.iter().take(10) {
             let _ = writeln!(
                 s,

@@ -1,1 +1,301 @@
+//! Test harness: real PostgreSQL clusters started by the tests themselves (initdb + pg_ctl on a free
+//! loopback port), one per test, stopped and removed when the test ends. Server binaries come from
+//! scripts/setup.sh: $PGHYDRATE_HOME/pg/<major>/bin (default /var/tmp/pghydrate).
 
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use pghydrate::ConnectionSpec;
+use tokio_postgres::{Client, NoTls};
+
+pub const SUPERUSER: &str = "postgres";
+pub const SUPERUSER_PASSWORD: &str = "pw-Sup3r-S3cret";
+pub const SAMPLE_SQL: &str = include_str!("../../scripts/sample.sql");
+
+/// The user that runs the servers when the tests run as root (initdb refuses root).
+const RUN_AS: &str = "pghydrate";
+
+pub fn pghydrate_home() -> PathBuf {
+    std::env::var_os("PGHYDRATE_HOME").map(PathBuf::from).unwrap_or_else(|| "/var/tmp/pghydrate".into())
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions. Avoids a libc dependency for one call.
+    unsafe extern "C" {
+        fn geteuid() -> u32;
+    }
+    unsafe { geteuid() == 0 }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A running cluster. Dropping it stops the server and deletes its files.
+pub struct Cluster {
+    pub major: u32,
+    pub port: u16,
+    dir: PathBuf,
+    bin: PathBuf,
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+impl Cluster {
+    /// initdb + start. `settings` are extra postgresql.conf lines.
+    pub fn start(major: u32, settings: &[&str]) -> Cluster {
+        let bin = pghydrate_home().join("pg").join(major.to_string()).join("bin");
+        assert!(
+            bin.join("postgres").exists(),
+            "PostgreSQL {major} server binaries are missing at {}: run scripts/setup.sh",
+            bin.display()
+        );
+        let dir = pghydrate_home().join("clusters").join(format!(
+            "pg{major}-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let pwfile = dir.join("pwfile");
+        std::fs::write(&pwfile, SUPERUSER_PASSWORD).unwrap();
+        let c = Cluster { major, port: 0, dir, bin };
+        if is_root() {
+            c.run(Command::new("chown").args(["-R", RUN_AS]).arg(&c.dir));
+        }
+        c.run(c.pg("initdb").args(["-U", SUPERUSER, "-A", "scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--no-sync"])
+            .arg("--locale=C")
+            .arg(format!("--pwfile={}", pwfile.display()))
+            .arg("-D")
+            .arg(c.data()));
+        let mut conf = String::from(
+            "listen_addresses = '127.0.0.1'\nfsync = off\nshared_buffers = 128MB\nmax_connections = 60\n\
+             autovacuum = off\nlog_min_messages = warning\n",
+        );
+        conf.push_str(&format!("unix_socket_directories = '{}'\n", c.dir.display()));
+        for s in settings {
+            conf.push_str(s);
+            conf.push('\n');
+        }
+        let conf_path = c.data().join("postgresql.auto.conf");
+        let mut existing = std::fs::read_to_string(&conf_path).unwrap_or_default();
+        existing.push_str(&conf);
+        std::fs::write(&conf_path, existing).unwrap();
+        let mut c = c;
+        // The port is chosen at start; a port taken in between is retried with another.
+        for attempt in 0..5 {
+            c.port = free_port();
+            let out = c.pg_ctl_start();
+            if out.status.success() {
+                return c;
+            }
+            eprintln!("start attempt {attempt} on port {} failed: {}", c.port, String::from_utf8_lossy(&out.stderr));
+        }
+        panic!("PostgreSQL {major} did not start; log:\n{}", std::fs::read_to_string(c.dir.join("log")).unwrap_or_default());
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    fn pg(&self, tool: &str) -> Command {
+        let mut cmd = if is_root() {
+            let mut c = Command::new("runuser");
+            c.args(["-u", RUN_AS, "--"]).arg(self.bin.join(tool));
+            c
+        } else {
+            Command::new(self.bin.join(tool))
+        };
+        cmd.env("LC_ALL", "C");
+        cmd
+    }
+
+    fn run(&self, cmd: &mut Command) -> Output {
+        let out = cmd.output().expect("spawn");
+        assert!(
+            out.status.success(),
+            "{cmd:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    fn pg_ctl_start(&self) -> Output {
+        self.pg("pg_ctl")
+            .arg("-D")
+            .arg(self.data())
+            .arg("-l")
+            .arg(self.dir.join("log"))
+            .args(["-w", "-t", "60", "-o"])
+            .arg(format!("-p {}", self.port))
+            .arg("start")
+            .output()
+            .expect("pg_ctl")
+    }
+
+    /// Stops and starts the server: shared_buffers start empty.
+    pub fn restart(&self) {
+        self.stop("fast");
+        let out = self.pg_ctl_start();
+        assert!(out.status.success(), "restart failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    pub fn stop(&self, mode: &str) {
+        let _ = self.pg("pg_ctl").arg("-D").arg(self.data()).args(["-w", "-m", mode, "stop"]).output();
+    }
+
+    /// Starts a stopped server again on the same port.
+    pub fn start_again(&self) {
+        let out = self.pg_ctl_start();
+        assert!(out.status.success(), "start failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    pub fn url(&self, user: &str, password: &str, db: &str) -> String {
+        format!("postgresql://{user}:{password}@127.0.0.1:{}/{}?sslmode=disable", self.port, pct(db))
+    }
+
+    pub fn superuser_url(&self, db: &str) -> String {
+        self.url(SUPERUSER, SUPERUSER_PASSWORD, db)
+    }
+
+    pub fn spec(&self, user: &str, password: &str, db: &str) -> ConnectionSpec {
+        ConnectionSpec::parse(Some(&self.url(user, password, db)), |_| None).unwrap()
+    }
+
+    pub fn superuser_spec(&self) -> ConnectionSpec {
+        self.spec(SUPERUSER, SUPERUSER_PASSWORD, "postgres")
+    }
+
+    /// A superuser session (not TLS) for test set-up and checks.
+    pub async fn client(&self, db: &str) -> Client {
+        self.client_as(SUPERUSER, SUPERUSER_PASSWORD, db).await
+    }
+
+    pub async fn client_as(&self, user: &str, password: &str, db: &str) -> Client {
+        let mut cfg = tokio_postgres::Config::new();
+        cfg.host("127.0.0.1").port(self.port).user(user).password(password).dbname(db);
+        let (client, conn) = cfg.connect(NoTls).await.unwrap_or_else(|e| panic!("connect to {db} as {user}: {e}"));
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        client
+    }
+
+    /// Creates `db` and loads the sample schema into it at `scale`, owned by `owner` (created as a
+    /// NOLOGIN role if missing; the superuser when None). Runs VACUUM so visibility maps exist.
+    pub async fn load_sample(&self, db: &str, scale: u32, owner: Option<&str>) {
+        let admin = self.client("postgres").await;
+        if db != "postgres" {
+            admin.batch_execute(&format!("CREATE DATABASE {}", ident(db))).await.unwrap();
+        }
+        if let Some(o) = owner {
+            let exists = admin.query_opt("SELECT 1 FROM pg_roles WHERE rolname = $1", &[&o]).await.unwrap();
+            if exists.is_none() {
+                admin.batch_execute(&format!("CREATE ROLE \"{o}\" NOLOGIN")).await.unwrap();
+            }
+            admin.batch_execute(&format!("ALTER DATABASE {} OWNER TO {}", ident(db), ident(o))).await.unwrap();
+        }
+        let c = self.client(db).await;
+        let mut sql = format!("SET pghydrate.scale = '{scale}';\n");
+        if let Some(o) = owner {
+            c.batch_execute(&format!("GRANT CREATE ON SCHEMA public TO \"{o}\"")).await.unwrap();
+            sql.push_str(&format!("SET ROLE \"{o}\";\n"));
+        }
+        sql.push_str(SAMPLE_SQL);
+        c.batch_execute(&sql).await.unwrap_or_else(|e| panic!("loading sample: {e:?}"));
+        c.batch_execute("RESET ROLE").await.unwrap();
+        c.batch_execute("VACUUM").await.unwrap();
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.stop("immediate");
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Percent-encodes a URL path segment.
+pub fn pct(s: &str) -> String {
+    s.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-_.".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+}
+
+/// Quotes an identifier for test set-up SQL.
+pub fn ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// The `pghydrate` binary built next to this test (make test builds it first).
+pub fn pghydrate_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("PGHYDRATE_BIN") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap(); // target/<profile>/deps -> target/<profile>
+    let bin = dir.join("pghydrate");
+    assert!(bin.exists(), "{} is missing: build it with `cargo build -p pghydrate-cli`", bin.display());
+    bin
+}
+
+/// Runs the CLI with `args`; returns (exit code, stdout, stderr).
+pub fn cli(args: &[&str], cwd: &Path) -> (i32, String, String) {
+    let out = Command::new(pghydrate_bin())
+        .args(args)
+        .current_dir(cwd)
+        .env_remove("PGPASSWORD")
+        .env("PGHYDRATE_LOG", "warn")
+        .output()
+        .expect("run pghydrate");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// (database oid-independent key) for a relation fork: (database, oid, fork).
+pub type ForkKey = (String, u32, String);
+
+/// Every relation fork with storage that a hydration must cover, found independently of the engine:
+/// straight from pg_class in every connectable non-template database, shared catalogs once.
+pub async fn expected_forks(cluster: &Cluster) -> std::collections::BTreeMap<ForkKey, u64> {
+    let admin = cluster.client("postgres").await;
+    let dbs: Vec<String> = admin
+        .query("SELECT datname::text FROM pg_database WHERE datallowconn AND NOT datistemplate ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut out = std::collections::BTreeMap::new();
+    let mut shared_seen = std::collections::HashSet::new();
+    for db in dbs {
+        let c = cluster.client(&db).await;
+        let rows = c
+            .query(
+                "SELECT c.oid, c.relisshared, f.fork, pg_relation_size(c.oid, f.fork) / current_setting('block_size')::int8
+                   FROM pg_class c CROSS JOIN (VALUES ('main'), ('fsm'), ('vm'), ('init')) f(fork)
+                  WHERE c.relpersistence <> 't' AND c.relkind NOT IN ('v', 'c', 'f', 'p', 'I')
+                    AND (f.fork = 'main' OR pg_relation_size(c.oid, f.fork) > 0)",
+                &[],
+            )
+            .await
+            .unwrap();
+        for r in rows {
+            let oid: u32 = r.get(0);
+            let shared: bool = r.get(1);
+            if shared && !shared_seen.insert((oid, r.get::<_, String>(2))) {
+                continue;
+            }
+            out.insert((db.clone(), oid, r.get(2)), r.get::<_, i64>(3) as u64);
+        }
+    }
+    out
+}

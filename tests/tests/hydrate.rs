@@ -1,0 +1,434 @@
+//! Hydration on real PostgreSQL 15, 16, 17 and 18 servers started by the harness. Each scenario runs
+//! once per version (modules pg15..pg18 below).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pghydrate::catalog::{make_plan, PlanOptions};
+use pghydrate::maintain::Maintenance;
+use pghydrate::plan::{BlockRange, SkipReason};
+use pghydrate::report::{self, Report};
+use pghydrate::run::{RunOptions, RunState};
+use pghydrate::warm::{Counters, Mode, RangeResult, WarmOptions};
+use pghydrate_tests::{cli, expected_forks, Cluster, ForkKey};
+
+fn plan_opts(range_blocks: u64) -> PlanOptions {
+    PlanOptions { range_blocks, create_extension: true, ..Default::default() }
+}
+
+fn run_opts(deadline: Option<Instant>) -> RunOptions {
+    RunOptions {
+        warm: WarmOptions {
+            sessions: 4,
+            lock_timeout: Duration::from_secs(2),
+            deadline,
+            margin: Duration::from_secs(1),
+            reconnect_for: Duration::from_secs(20),
+            ..WarmOptions::default()
+        },
+        maintenance: Maintenance::None,
+        maintenance_timeout: Duration::from_secs(60),
+    }
+}
+
+fn report_keys(r: &Report, outcome: &str) -> BTreeSet<ForkKey> {
+    r.relations
+        .iter()
+        .filter(|x| x.outcome == outcome)
+        .map(|x| (x.database.clone(), x.oid, x.fork.clone()))
+        .collect()
+}
+
+/// Every fork appears exactly once in the report, and the set is exactly what the catalog holds.
+fn assert_report_lists_every_fork_once(r: &Report, expected: &BTreeMap<ForkKey, u64>) {
+    let mut seen = BTreeSet::new();
+    for x in &r.relations {
+        assert!(seen.insert((x.database.clone(), x.oid, x.fork.clone())), "fork listed twice: {x:?}");
+        assert!(x.warmed_blocks <= x.blocks, "more blocks warmed than planned: {x:?}");
+    }
+    let expected_keys: BTreeSet<ForkKey> = expected.keys().cloned().collect();
+    let missing: Vec<_> = expected_keys.difference(&seen).collect();
+    let extra: Vec<_> = seen.difference(&expected_keys).collect();
+    assert!(missing.is_empty() && extra.is_empty(), "report differs from the catalog: missing {missing:?}, extra {extra:?}");
+}
+
+/// For each warmed fork: every block 0..blocks is in shared_buffers (pg_buffercache), found through
+/// the relation's current file node in its database.
+async fn assert_all_blocks_buffered(cluster: &Cluster, r: &Report) -> usize {
+    let mut by_db: BTreeMap<String, Vec<&pghydrate::report::RelationReport>> = BTreeMap::new();
+    for x in r.relations.iter().filter(|x| x.outcome == "warmed" && x.blocks > 0) {
+        by_db.entry(x.database.clone()).or_default().push(x);
+    }
+    let mut checked = 0;
+    for (db, rels) in by_db {
+        let c = cluster.client(&db).await;
+        for x in rels {
+            let row = c
+                .query_one(
+                    "SELECT count(DISTINCT b.relblocknumber)
+                       FROM pg_buffercache b
+                      WHERE b.relfilenode = pg_relation_filenode($1::oid::regclass)
+                        AND b.reldatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))
+                        AND b.relforknumber = CASE $2 WHEN 'main' THEN 0 WHEN 'fsm' THEN 1 WHEN 'vm' THEN 2 ELSE 3 END
+                        AND b.relblocknumber < $3",
+                    &[&x.oid, &x.fork, &(x.blocks as i64)],
+                )
+                .await
+                .unwrap();
+            let buffered: i64 = row.get(0);
+            assert_eq!(
+                buffered as u64, x.blocks,
+                "{db}: {}.{} ({}) has {buffered} of {} blocks in shared buffers",
+                x.schema, x.name, x.fork, x.blocks
+            );
+            checked += 1;
+        }
+    }
+    checked
+}
+
+/// After a restart, `pghydrate run --mode buffer` reads every block of every fork of every database:
+/// each is in shared_buffers afterwards, and the report lists exactly the catalog's forks, all warmed.
+async fn every_block_is_read(major: u32) {
+    let cluster = Cluster::start(major, &[]);
+    for db in ["postgres", "app", "Ü ber \"db\""] {
+        if db != "postgres" {
+            cluster.load_sample(db, 1, None).await;
+        }
+        cluster.client(db).await.batch_execute("CREATE EXTENSION pg_buffercache; CREATE EXTENSION pg_prewarm").await.unwrap();
+    }
+    let admin = cluster.client("postgres").await;
+    admin.batch_execute("CREATE DATABASE closed; ALTER DATABASE closed ALLOW_CONNECTIONS false").await.ok();
+    admin.batch_execute("CREATE DATABASE closed2").await.unwrap();
+    admin.batch_execute("ALTER DATABASE closed2 ALLOW_CONNECTIONS false").await.unwrap();
+    drop(admin);
+    let expected = expected_forks(&cluster).await;
+    cluster.restart();
+
+    let tmp = cluster.dir().to_path_buf();
+    let report_path = tmp.join("report.json");
+    let (code, stdout, stderr) = cli(
+        &[
+            "run",
+            &cluster.superuser_url("postgres"),
+            "--mode",
+            "buffer",
+            "--sessions",
+            "4",
+            "--range-blocks",
+            "64",
+            "--maintenance",
+            "none",
+            "--report",
+            report_path.to_str().unwrap(),
+        ],
+        &tmp,
+    );
+    assert_eq!(code, 0, "exit code; stdout:\n{stdout}\nstderr:\n{stderr}");
+    let r: Report = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
+    assert_eq!(r.status, "complete");
+    assert_eq!(r.coverage, 1.0);
+    assert_eq!(r.warmed_bytes, r.total_bytes);
+    assert_report_lists_every_fork_once(&r, &expected);
+    for x in &r.relations {
+        assert_eq!(x.outcome, "warmed", "{x:?}");
+        assert_eq!(Some(&x.blocks), expected.get(&(x.database.clone(), x.oid, x.fork.clone())), "size of {x:?}");
+    }
+    // Every kind of relation is there, in every database with the sample.
+    for db in ["app", "Ü ber \"db\""] {
+        for name in [
+            "customers",
+            "customers_email_hash",
+            "customers_profile_gin",
+            "customers_created_brin",
+            "events_2025",
+            "places_area_gist",
+            "places_pos_spgist",
+            "customer_tiers",
+            "order_numbers",
+            "order; DROP TABLE customers;--",
+            "idx\nwith newline",
+        ] {
+            assert!(r.relations.iter().any(|x| x.database == db && x.name == name), "{name} missing in {db}");
+        }
+        assert!(r.relations.iter().any(|x| x.database == db && x.kind == pghydrate::plan::RelKind::ToastTable && x.blocks > 0));
+        assert!(r.relations.iter().any(|x| x.database == db && x.kind == pghydrate::plan::RelKind::ToastIndex && x.blocks > 0));
+        assert!(r.relations.iter().any(|x| x.database == db && x.fork == "init" && x.blocks > 0), "unlogged init fork");
+        assert!(r.relations.iter().any(|x| x.database == db && x.fork == "vm"), "visibility map fork");
+    }
+    let closed = r.databases.iter().find(|d| d.name == "closed2").unwrap();
+    assert_eq!(closed.outcome, "skipped");
+    assert!(closed.reason.as_deref().unwrap().contains("datallowconn"));
+    let checked = assert_all_blocks_buffered(&cluster, &r).await;
+    assert!(checked > 300, "only {checked} forks checked");
+}
+
+/// Truth by trying: as `role`, call pg_prewarm on each fork; those refused with 42501 are the ones the
+/// role cannot read.
+async fn unreadable_by(cluster: &Cluster, role: &str, pw: &str, r: &Report) -> BTreeSet<ForkKey> {
+    let mut out = BTreeSet::new();
+    let mut dbs: BTreeSet<String> = BTreeSet::new();
+    for x in &r.relations {
+        dbs.insert(x.database.clone());
+    }
+    for db in dbs {
+        let c = cluster.client_as(role, pw, &db).await;
+        for x in r.relations.iter().filter(|x| x.database == db) {
+            let (first, last) = if x.blocks > 0 { (Some(0i64), Some(0i64)) } else { (None, None) };
+            let res = c
+                .query_one(
+                    "SELECT pg_prewarm($1::oid::regclass, 'prefetch', $2, $3, $4)",
+                    &[&x.oid, &x.fork, &first, &last],
+                )
+                .await;
+            if let Err(e) = res {
+                if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) {
+                    out.insert((x.database.clone(), x.oid, x.fork.clone()));
+                } else {
+                    panic!("unexpected error for {x:?}: {e:?}");
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A role that owns nothing reports exactly the forks it could not read (and exits 4); a role that is
+/// a member of the owner reads every user relation by acting as the owner; the fix the report proposes
+/// for catalog relations (pg_read_all_data) really gives full coverage.
+async fn permissions_are_reported_exactly(major: u32) {
+    let cluster = Cluster::start(major, &[]);
+    cluster.load_sample("app", 1, Some("app_owner")).await;
+    let admin = cluster.client("postgres").await;
+    admin
+        .batch_execute(
+            "CREATE ROLE reader LOGIN PASSWORD 'reader-pw';
+             CREATE ROLE member LOGIN PASSWORD 'member-pw' IN ROLE app_owner;",
+        )
+        .await
+        .unwrap();
+    let app = cluster.client("app").await;
+    app.batch_execute("CREATE EXTENSION pg_prewarm; GRANT SELECT ON customers TO reader").await.unwrap();
+    admin.batch_execute("CREATE EXTENSION pg_prewarm").await.unwrap();
+
+    let run_as = |user: &'static str, pw: &'static str| {
+        let spec = cluster.spec(user, pw, "postgres");
+        async move {
+            let plan = make_plan(&spec, &plan_opts(1024)).await.unwrap();
+            let mut st = RunState::new(plan, Mode::Read, 4, Maintenance::None);
+            st.advance(&spec, &run_opts(None), Arc::new(Counters::default())).await.unwrap();
+            report::build(&st)
+        }
+    };
+
+    let r = run_as("reader", "reader-pw").await;
+    let truth = unreadable_by(&cluster, "reader", "reader-pw", &r).await;
+    let skipped: BTreeSet<ForkKey> = r
+        .relations
+        .iter()
+        .filter(|x| x.outcome == "skipped")
+        .inspect(|x| {
+            assert_eq!(x.reason_code, Some(SkipReason::Permission), "{x:?}");
+            assert!(x.fix.as_deref().is_some_and(|f| f.starts_with("GRANT ")), "{x:?}");
+        })
+        .map(|x| (x.database.clone(), x.oid, x.fork.clone()))
+        .collect();
+    assert_eq!(skipped, truth, "skipped forks differ from the forks the role cannot read");
+    assert!(!truth.is_empty());
+    assert_eq!(r.exit_code, 4);
+    assert_eq!(r.status, "incomplete");
+    assert!(r.coverage < 1.0);
+    // customers' heap was granted: read. Its primary key index: owner-only before 18, via the table from 18.
+    let pkey = r.relations.iter().find(|x| x.database == "app" && x.name == "customers_pkey").unwrap();
+    let heap = r.relations.iter().find(|x| x.database == "app" && x.name == "customers" && x.fork == "main").unwrap();
+    assert_eq!(heap.outcome, "warmed");
+    assert_eq!(pkey.outcome == "warmed", major >= 18, "{pkey:?}");
+
+    // The member of app_owner reads all of the sample as its owner.
+    let r = run_as("member", "member-pw").await;
+    for x in r.relations.iter().filter(|x| x.database == "app" && x.schema != "pg_catalog" && x.schema != "information_schema") {
+        if x.schema == "pg_toast" && r.relations.iter().all(|y| y.oid != x.oid || y.outcome != "skipped") {
+            continue;
+        }
+        if ["public", "Sales \"EU\" ü"].contains(&x.schema.as_str()) {
+            assert_eq!(x.outcome, "warmed", "{x:?}");
+        }
+    }
+
+    // The proposed fix for what remains works.
+    admin.batch_execute("GRANT pg_read_all_data TO reader").await.unwrap();
+    let r = run_as("reader", "reader-pw").await;
+    assert_eq!(r.coverage, 1.0, "skipped: {:?}", report_keys(&r, "skipped"));
+    assert_eq!(r.exit_code, 0);
+}
+
+/// A relation dropped and ones truncated between planning and warming end with the right outcome;
+/// nothing that still exists is missed, nothing is counted twice.
+async fn dropped_and_truncated_during_the_run(major: u32) {
+    let cluster = Cluster::start(major, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let spec = cluster.superuser_spec();
+    let mut opts = plan_opts(8);
+    opts.include_databases = vec!["app".into()];
+    let plan = make_plan(&spec, &opts).await.unwrap();
+    let blocks_of = |name: &str| plan.forks.iter().find(|f| f.name == name && f.fork == pghydrate::plan::Fork::Main).unwrap().blocks;
+    let events_before = blocks_of("events_2026");
+
+    let app = cluster.client("app").await;
+    // dropped: the table, its TOAST table and index, its primary key
+    app.batch_execute("DROP TABLE documents").await.unwrap();
+    // truncated to nothing (new empty file)
+    app.batch_execute("TRUNCATE session_cache").await.unwrap();
+    // shrunk: the second half deleted, VACUUM cuts the file
+    app.batch_execute("DELETE FROM events_2026 WHERE id > (SELECT min(id) + 100 FROM events_2026)").await.unwrap();
+    app.batch_execute("VACUUM events_2026").await.unwrap();
+    let events_after: i64 = app
+        .query_one("SELECT pg_relation_size('events_2026') / 8192", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!((events_after as u64) < events_before / 2, "VACUUM did not shrink the file");
+
+    let mut st = RunState::new(plan.clone(), Mode::Read, 4, Maintenance::None);
+    st.advance(&spec, &run_opts(None), Arc::new(Counters::default())).await.unwrap();
+    assert_outcomes_partition_plan(&st);
+    let r = report::build(&st);
+    let find = |name: &str, fork: &str| r.relations.iter().find(|x| x.name == name && x.fork == fork).unwrap().clone();
+
+    let docs = find("documents", "main");
+    assert_eq!((docs.outcome.as_str(), docs.reason_code), ("skipped", Some(SkipReason::Dropped)));
+    assert_eq!(find("documents_pkey", "main").reason_code, Some(SkipReason::Dropped));
+    let toast = r.relations.iter().filter(|x| x.table_is("public.documents", &plan) && x.kind == pghydrate::plan::RelKind::ToastTable);
+    for t in toast {
+        assert_eq!(t.reason_code, Some(SkipReason::Dropped), "{t:?}");
+    }
+    let cache = find("session_cache", "main");
+    assert_eq!((cache.outcome.as_str(), cache.reason_code, cache.warmed_blocks), ("skipped", Some(SkipReason::Truncated), 0));
+    let ev = find("events_2026", "main");
+    assert_eq!(ev.outcome, "warmed", "{ev:?}");
+    assert_eq!(ev.reason_code, Some(SkipReason::Truncated));
+    assert_eq!(ev.warmed_blocks, events_after as u64, "every block that still exists is read, once");
+    // Nothing else is affected; what vanished does not count against coverage.
+    assert_eq!(r.coverage, 1.0, "{:?}", report_keys(&r, "skipped"));
+    assert_eq!(r.status, "complete");
+    assert!(r.vanished_bytes > 0);
+    for x in &r.relations {
+        if x.outcome == "skipped" {
+            assert!(matches!(x.reason_code, Some(SkipReason::Dropped | SkipReason::Truncated)), "{x:?}");
+        }
+    }
+}
+
+trait TableIs {
+    fn table_is(&self, table: &str, plan: &pghydrate::plan::Plan) -> bool;
+}
+impl TableIs for pghydrate::report::RelationReport {
+    fn table_is(&self, table: &str, plan: &pghydrate::plan::Plan) -> bool {
+        plan.forks.iter().any(|f| f.oid == self.oid && f.database == self.database && f.table == table)
+    }
+}
+
+/// Outcomes plus pending ranges cover the plan's ranges exactly: no block twice, none missing.
+fn assert_outcomes_partition_plan(st: &RunState) {
+    let mut blocks: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
+    for o in &st.outcomes {
+        blocks.entry(o.range.fork).or_default().push((o.range.first, o.range.last));
+    }
+    for p in &st.pending {
+        blocks.entry(p.fork).or_default().push((p.first, p.last));
+    }
+    let mut planned: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
+    for r in &st.plan.ranges {
+        planned.entry(r.fork).or_default().push((r.first, r.last));
+    }
+    assert_eq!(blocks.keys().collect::<Vec<_>>(), planned.keys().collect::<Vec<_>>());
+    for (fork, mut got) in blocks {
+        got.sort();
+        let mut want = planned.remove(&fork).unwrap();
+        want.sort();
+        let mut next = want[0].0;
+        for (a, b) in &got {
+            assert_eq!(*a, next, "fork {fork}: gap or overlap at block {a}: {got:?}");
+            next = b + 1;
+        }
+        assert_eq!(next, want.last().unwrap().1 + 1, "fork {fork}: covered up to {next}");
+    }
+}
+
+/// A run stopped by its time limit (a locked table holds it up) writes a continuation; `resume` reads
+/// exactly the remaining blocks: the two calls together read every block once, and all are buffered.
+async fn continuation_covers_exactly_the_rest(major: u32) {
+    let cluster = Cluster::start(major, &[]);
+    cluster.load_sample("app", 1, None).await;
+    cluster.client("app").await.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
+    cluster.restart();
+
+    // Hold customers' lock: the run reads `tiny` first, then waits on customers until its deadline.
+    let locker = cluster.client("app").await;
+    locker.batch_execute("BEGIN; LOCK TABLE customers IN ACCESS EXCLUSIVE MODE").await.unwrap();
+
+    let dir = cluster.dir().to_path_buf();
+    let cont = dir.join("continuation.json");
+    let url = cluster.superuser_url("postgres");
+    let common = ["--mode", "buffer", "--maintenance", "analyze", "--range-blocks", "16", "--include-database", "app"];
+    let mut args = vec!["run", url.as_str(), "--sessions", "1", "--first", "tiny", "--first", "customers"];
+    args.extend(common);
+    args.extend(["--lock-timeout", "60s", "--time-limit", "4s", "--margin", "1s", "--continuation", cont.to_str().unwrap()]);
+    let (code, stdout, stderr) = cli(&args, &dir);
+    assert_eq!(code, 5, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stderr.contains("pghydrate resume"), "{stderr}");
+    let first: RunState = RunState::from_json(&std::fs::read_to_string(&cont).unwrap()).unwrap();
+    assert!(!first.pending.is_empty());
+    assert!(first.outcomes.iter().all(|o| matches!(o.result, RangeResult::Warmed { .. })));
+    let tiny_read = first.outcomes.iter().any(|o| first.plan.fork(&o.range).name == "tiny");
+    assert!(tiny_read, "the priority table was read before the deadline");
+    assert!(first.outcomes.iter().all(|o| first.plan.fork(&o.range).table != "public.customers" || first.plan.fork(&o.range).kind != pghydrate::plan::RelKind::Table));
+    assert_outcomes_partition_plan(&first);
+    let pending_before: BTreeSet<BlockRange> = first.pending.iter().copied().collect();
+    let done_before = first.outcomes.len();
+
+    locker.batch_execute("COMMIT").await.unwrap();
+    let report = dir.join("report.json");
+    let (code, stdout, stderr) =
+        cli(&["resume", cont.to_str().unwrap(), url.as_str(), "--report", report.to_str().unwrap()], &dir);
+    assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let r: Report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r.coverage, 1.0);
+    assert_eq!(r.pending_bytes, 0);
+    for x in r.relations.iter().filter(|x| x.outcome != "excluded") {
+        assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
+    }
+    assert!(!r.maintenance.is_empty() && r.maintenance.iter().all(|m| m.outcome == "done"), "{:?}", r.maintenance);
+    assert!(!cont.exists(), "a finished continuation is removed");
+    // What the resume read is exactly what was pending: no more, no less.
+    let resumed_blocks: u64 = r.relations.iter().map(|x| x.warmed_blocks).sum::<u64>()
+        - first.outcomes.iter().map(|o| o.range.blocks()).sum::<u64>();
+    assert_eq!(resumed_blocks, pending_before.iter().map(|p| p.blocks()).sum::<u64>());
+    assert!(done_before > 0);
+    assert_all_blocks_buffered(&cluster, &r).await;
+}
+
+macro_rules! per_version {
+    ($($test:ident),*) => {
+        $(
+            mod $test {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg15() { super::$test(15).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg16() { super::$test(16).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg17() { super::$test(17).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg18() { super::$test(18).await }
+            }
+        )*
+    };
+}
+
+per_version!(
+    every_block_is_read,
+    permissions_are_reported_exactly,
+    dropped_and_truncated_during_the_run,
+    continuation_covers_exactly_the_rest
+);
