@@ -51,6 +51,8 @@ enum Command {
         #[command(flatten)]
         warm: WarmArgs,
         #[command(flatten)]
+        timeouts: TimeoutArgs,
+        #[command(flatten)]
         out: OutArgs,
     },
     /// Show what `run` would read, and what it could not, without reading or changing anything.
@@ -59,6 +61,8 @@ enum Command {
         conn: ConnArgs,
         #[command(flatten)]
         plan: PlanArgs,
+        #[command(flatten)]
+        timeouts: TimeoutArgs,
         /// Print the plan as JSON (the engine's serializable plan).
         #[arg(long)]
         json: bool,
@@ -74,6 +78,8 @@ enum Command {
         conn: ConnArgs,
         #[command(flatten)]
         warm: WarmArgs,
+        #[command(flatten)]
+        timeouts: TimeoutArgs,
         #[command(flatten)]
         out: OutArgs,
     },
@@ -128,15 +134,6 @@ struct WarmArgs {
     /// After warming: analyze, vacuum-analyze or none.
     #[arg(long, value_enum, default_value = "analyze")]
     maintenance: MaintenanceArg,
-    /// Upper bound of one pg_prewarm call.
-    #[arg(long, default_value = "5m", value_parser = parse_duration)]
-    statement_timeout: Duration,
-    /// Wait at most this long for a lock; a locked relation is retried later.
-    #[arg(long, default_value = "5s", value_parser = parse_duration)]
-    lock_timeout: Duration,
-    /// Attempts per range under lock contention before it is skipped.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
-    lock_attempts: u32,
     /// Stop after this long (e.g. 14m): no range starts when less than --margin is left, and the
     /// work left is written to the continuation file.
     #[arg(long, value_parser = parse_duration)]
@@ -153,13 +150,27 @@ struct WarmArgs {
 }
 
 #[derive(Args)]
+struct TimeoutArgs {
+    /// Upper bound of one pg_prewarm call.
+    #[arg(long, default_value = "5m", value_parser = parse_duration)]
+    statement_timeout: Duration,
+    /// Wait at most this long for a lock; a locked relation is retried later.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    lock_timeout: Duration,
+    /// Attempts per range under lock contention before it is skipped.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    lock_attempts: u32,
+}
+
+#[derive(Args)]
 struct OutArgs {
     /// Write the full JSON report here.
     #[arg(long, value_name = "PATH")]
     report: Option<PathBuf>,
-    /// Where to write the continuation when the time limit stops the run.
-    #[arg(long, value_name = "PATH", default_value = "pghydrate-continuation.json")]
-    continuation: PathBuf,
+    /// Where to write the continuation when the time limit stops the run (default:
+    /// pghydrate-continuation.json for run, the file resumed from for resume).
+    #[arg(long = "continuation", value_name = "PATH")]
+    save_continuation: Option<PathBuf>,
     /// Progress display: auto (a bar on a terminal, lines otherwise), bar, lines, none.
     #[arg(long, value_enum, default_value = "auto")]
     progress: progress::Style,
@@ -245,8 +256,9 @@ fn init_logging(cli: &Cli) {
     }
 }
 
-fn spec_of(conn: &ConnArgs) -> pghydrate::Result<ConnectionSpec> {
-    let spec = ConnectionSpec::parse(conn.connection.as_deref(), |k| std::env::var(k).ok())?;
+fn spec_of(conn: &ConnArgs, t: &TimeoutArgs) -> pghydrate::Result<ConnectionSpec> {
+    let spec = ConnectionSpec::parse(conn.connection.as_deref(), |k| std::env::var(k).ok())?
+        .with_timeouts(t.lock_timeout, t.statement_timeout);
     let spec = match conn.tls {
         Some(mode) => spec.with_tls(mode, conn.ca_file.clone()),
         None => {
@@ -260,7 +272,7 @@ fn spec_of(conn: &ConnArgs) -> pghydrate::Result<ConnectionSpec> {
     Ok(spec)
 }
 
-fn plan_options(p: &PlanArgs, create_extension: bool) -> PlanOptions {
+fn plan_options(p: &PlanArgs, t: &TimeoutArgs, create_extension: bool) -> PlanOptions {
     PlanOptions {
         include_databases: p.include_databases.clone(),
         exclude_databases: p.exclude_databases.clone(),
@@ -269,17 +281,18 @@ fn plan_options(p: &PlanArgs, create_extension: bool) -> PlanOptions {
         first: p.first.clone(),
         range_blocks: p.range_blocks,
         create_extension,
+        lock_attempts: t.lock_attempts,
     }
 }
 
-fn run_options(w: &WarmArgs, started: Instant) -> RunOptions {
+fn run_options(w: &WarmArgs, t: &TimeoutArgs, started: Instant) -> RunOptions {
     RunOptions {
         warm: WarmOptions {
             sessions: w.sessions,
             mode: Mode::Read, // replaced by the state's resolved mode
-            statement_timeout: w.statement_timeout,
-            lock_timeout: w.lock_timeout,
-            lock_attempts: w.lock_attempts,
+            statement_timeout: t.statement_timeout,
+            lock_timeout: t.lock_timeout,
+            lock_attempts: t.lock_attempts,
             deadline: w.time_limit.map(|t| started + t),
             margin: w.margin,
             reconnect_for: w.reconnect_for,
@@ -296,9 +309,9 @@ fn run_options(w: &WarmArgs, started: Instant) -> RunOptions {
 async fn execute(command: Command) -> pghydrate::Result<i32> {
     let started = Instant::now();
     match command {
-        Command::Plan { conn, plan, json, all } => {
-            let spec = spec_of(&conn)?;
-            let plan = make_plan(&spec, &plan_options(&plan, false)).await?;
+        Command::Plan { conn, plan, timeouts, json, all } => {
+            let spec = spec_of(&conn, &timeouts)?;
+            let plan = make_plan(&spec, &plan_options(&plan, &timeouts, false)).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&plan).expect("plan serializes"));
             } else {
@@ -306,8 +319,8 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
             }
             Ok(exit::COMPLETE)
         }
-        Command::Run { conn, plan, warm, out } => {
-            let spec = spec_of(&conn)?;
+        Command::Run { conn, plan, warm, timeouts, out } => {
+            let spec = spec_of(&conn, &timeouts)?;
             if let Some(t) = warm.time_limit {
                 if t <= warm.margin {
                     return Err(Error::InvalidInput(format!(
@@ -317,8 +330,8 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
                     )));
                 }
             }
-            let opts = run_options(&warm, started);
-            let plan = make_plan(&spec, &plan_options(&plan, true)).await?;
+            let opts = run_options(&warm, &timeouts, started);
+            let plan = make_plan(&spec, &plan_options(&plan, &timeouts, true)).await?;
             let mode = match warm.mode {
                 ModeArg::Auto => Mode::auto(&plan.server),
                 ModeArg::Read => Mode::Read,
@@ -330,27 +343,35 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
                 tracing::warn!("{w}");
             }
             let mut state = RunState::new(plan, mode, sessions, opts.maintenance);
-            drive(&spec, &mut state, &opts, &out).await
+            drive(&spec, &mut state, &opts, &out, Path::new("pghydrate-continuation.json")).await
         }
-        Command::Resume { continuation, conn, warm, out } => {
-            let spec = spec_of(&conn)?;
+        Command::Resume { continuation, conn, warm, timeouts, out } => {
+            let spec = spec_of(&conn, &timeouts)?;
             let text = std::fs::read_to_string(&continuation).map_err(|e| Error::Io {
                 context: format!("reading continuation {}", continuation.display()),
                 source: e,
             })?;
             let mut state = RunState::from_json(&text)?;
-            let opts = run_options(&warm, started);
+            let opts = run_options(&warm, &timeouts, started);
             tracing::info!(
                 ranges_left = state.pending.len(),
                 bytes_left = state.pending.iter().map(|r| state.plan.bytes(r.blocks())).sum::<u64>(),
                 "resuming"
             );
-            drive(&spec, &mut state, &opts, &out).await
+            drive(&spec, &mut state, &opts, &out, &continuation).await
         }
     }
 }
 
-async fn drive(spec: &ConnectionSpec, state: &mut RunState, opts: &RunOptions, out: &OutArgs) -> pghydrate::Result<i32> {
+/// Advances the state; writes the report, and the continuation (to `--continuation`, else
+/// `default_continuation`) when work is left; removes `default_continuation` when a resumed run is done.
+async fn drive(
+    spec: &ConnectionSpec,
+    state: &mut RunState,
+    opts: &RunOptions,
+    out: &OutArgs,
+    default_continuation: &Path,
+) -> pghydrate::Result<i32> {
     let counters = Arc::new(Counters::default());
     let already: u64 = state
         .outcomes
@@ -367,16 +388,17 @@ async fn drive(spec: &ConnectionSpec, state: &mut RunState, opts: &RunOptions, o
         write_json(path, &report)?;
         tracing::info!(path = %path.display(), "report written");
     }
+    let continuation = out.save_continuation.as_deref().unwrap_or(default_continuation);
     if !state.finished() {
-        write_json(&out.continuation, state)?;
+        write_json(continuation, state)?;
         eprintln!(
             "pghydrate: time limit reached; {} left. Continue with: pghydrate resume {} [CONNECTION]",
             human_bytes(report.pending_bytes),
-            out.continuation.display()
+            continuation.display()
         );
-    } else if out.continuation.exists() && state.calls > 1 {
-        // The continuation we resumed from is done with.
-        let _ = std::fs::remove_file(&out.continuation);
+    } else if state.calls > 1 && default_continuation.exists() {
+        // The continuation this run resumed from is done with.
+        let _ = std::fs::remove_file(default_continuation);
     }
     println!("{}", report.summary());
     Ok(report.exit_code)
@@ -448,4 +470,14 @@ fn plan_table(plan: &Plan, all: bool) -> String {
         let _ = writeln!(s, "... {} more forks (--all lists every fork, --json gives the whole plan)", rows.len() - n);
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn options_are_consistent() {
+        super::Cli::command().debug_assert();
+    }
 }

@@ -26,6 +26,9 @@ pub struct PlanOptions {
     pub range_blocks: u64,
     /// Create pg_prewarm where it is missing (CREATE EXTENSION). On by default.
     pub create_extension: bool,
+    /// Attempts (each waiting up to the session's lock_timeout) to size a relation that another
+    /// session holds ACCESS EXCLUSIVE; after the last, it is planned as skipped (lock_timeout).
+    pub lock_attempts: u32,
 }
 
 /// Databases excluded unless named by an include pattern: RDS's own administrative database, which
@@ -193,7 +196,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
             }
         };
         let (function, ext_problem) = ensure_extension(&client, &d.name, opts.create_extension).await?;
-        let mut db_forks = list_forks(&client, &d.name, &server).await?;
+        let mut db_forks = list_forks(&client, &d.name, &server, opts.lock_attempts.max(1)).await?;
         db_forks.retain(|f| {
             // Shared catalogs appear in every database: read them once.
             !(f.kind_is_shared && !seen_shared.insert((f.entry.oid, f.entry.fork)))
@@ -284,14 +287,16 @@ struct Listed {
     kind_is_shared: bool,
 }
 
-async fn list_forks(client: &Client, db: &str, server: &ServerInfo) -> Result<Vec<Listed>> {
-    // pg_prewarm's privilege check: SELECT on the relation itself (indexes and TOAST relations have no
-    // ACL, so only their owner passes) up to 17; from 18, an index is checked on its table.
-    let index_checks_parent = server.major() >= 18;
+async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u32) -> Result<Vec<Listed>> {
+    // pg_prewarm's privilege check is SELECT on the relation. For an index, current minor releases
+    // (seen on 15.18, 16.15, 17.11, 18.6) check the index's table instead; older minors checked the
+    // index itself, whose missing ACL makes it owner-only. The plan predicts the current rule; at run
+    // time a refusal falls back to acting as the owner, or is reported as `permission`.
+    // TOAST tables have no ACL: owner-only (and so are their indexes, whose table is the TOAST table).
     let set_priv = if server.major() >= 16 { "SET" } else { "MEMBER" };
     let sql = format!(
         "WITH rels AS (
-           SELECT c.oid, c.relnamespace, c.relname, c.relkind, c.relisshared, c.relowner,
+           SELECT c.oid, c.relnamespace, c.relname, c.relkind, c.relisshared, c.relowner, c.relpages,
                   i.indrelid,
                   CASE WHEN c.relkind = 'i' THEN i.indrelid ELSE c.oid END AS base_oid
              FROM pg_catalog.pg_class c
@@ -302,22 +307,22 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo) -> Result<Ve
                 pg_catalog.pg_get_userbyid(r.relowner)::text,
                 (tn.nspname || '.' || coalesce(owner_tbl.relname, b.relname))::text,
                 b.relkind::text,
-                coalesce(pg_catalog.pg_relation_size(r.oid, 'main'), 0),
-                coalesce(pg_catalog.pg_relation_size(r.oid, 'fsm'), 0),
-                coalesce(pg_catalog.pg_relation_size(r.oid, 'vm'), 0),
-                coalesce(pg_catalog.pg_relation_size(r.oid, 'init'), 0),
-                CASE WHEN $1 AND r.relkind = 'i'
-                     THEN pg_catalog.has_table_privilege(r.indrelid, 'SELECT')
-                     ELSE pg_catalog.has_table_privilege(r.oid, 'SELECT') END,
+                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'main'), 0) END,
+                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'fsm'), 0) END,
+                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'vm'), 0) END,
+                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'init'), 0) END,
+                pg_catalog.has_table_privilege(r.oid, 'SELECT')
+                  OR (r.relkind = 'i' AND pg_catalog.has_table_privilege(r.indrelid, 'SELECT')),
                 pg_catalog.pg_has_role(r.relowner, '{set_priv}'),
                 (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = r.relowner),
                 CASE WHEN r.relkind IN ('r', 'm', 'S')
                        THEN format('GRANT SELECT ON %I.%I TO %I', rn.nspname, r.relname, current_user)
-                     WHEN $1 AND r.relkind = 'i' AND b.relkind <> 't'
+                     WHEN r.relkind = 'i' AND b.relkind <> 't'
                        THEN format('GRANT SELECT ON %I.%I TO %I', bn.nspname, b.relname, current_user)
                      WHEN (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = r.relowner)
                        THEN format('GRANT pg_read_all_data TO %I', current_user)
-                     ELSE format('GRANT %I TO %I', pg_catalog.pg_get_userbyid(r.relowner), current_user) END
+                     ELSE format('GRANT %I TO %I', pg_catalog.pg_get_userbyid(r.relowner), current_user) END,
+                r.relpages::int8
            FROM rels r
            JOIN pg_catalog.pg_namespace rn ON rn.oid = r.relnamespace
            JOIN pg_catalog.pg_class b ON b.oid = r.base_oid
@@ -326,10 +331,32 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo) -> Result<Ve
            JOIN pg_catalog.pg_namespace tn ON tn.oid = coalesce(owner_tbl.relnamespace, b.relnamespace)
           ORDER BY r.oid"
     );
-    let rows = client
-        .query(&sql, &[&index_checks_parent])
-        .await
-        .map_err(|e| Error::query(format!("listing relations of database {db:?}"), e))?;
+    // pg_relation_size takes an AccessShareLock: relations that another session holds (or waits for)
+    // ACCESS EXCLUSIVE are sized one by one below, so that one DDL cannot stall the whole plan.
+    let mut rows = None;
+    for attempt in 1..=3 {
+        let locked: Vec<u32> = client
+            .query_one(
+                "SELECT coalesce(array_agg(DISTINCT relation), '{}') FROM pg_catalog.pg_locks
+                  WHERE locktype = 'relation' AND mode = 'AccessExclusiveLock' AND relation IS NOT NULL
+                    AND database IN (0, (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()))",
+                &[],
+            )
+            .await
+            .map_err(|e| Error::query("reading pg_locks", e))?
+            .get(0);
+        match client.query(&sql, &[&locked]).await {
+            Ok(r) => {
+                rows = Some(r);
+                break;
+            }
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) && attempt < 3 => {
+                warn!(database = %db, "a relation was locked while sizing; sizing again");
+            }
+            Err(e) => return Err(Error::query(format!("listing relations of database {db:?}"), e)),
+        }
+    }
+    let rows = rows.expect("sized or returned");
     let bs = server.block_size as i64;
     let mut out = Vec::with_capacity(rows.len() * 2);
     for row in rows {
@@ -361,12 +388,12 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo) -> Result<Ve
                 Some(Skip {
                     reason: SkipReason::Permission,
                     detail: format!(
-                        "{} may not read it (pg_prewarm needs SELECT{}) and cannot act as its owner {}",
+                        "{} may not read it (pg_prewarm needs SELECT on it{}) and cannot act as its owner {}",
                         server.login_role,
-                        if matches!(kind, RelKind::Index | RelKind::ToastTable | RelKind::ToastIndex) && !index_checks_parent {
-                            "; indexes and TOAST relations are owner-only before PostgreSQL 18"
-                        } else {
-                            ""
+                        match kind {
+                            RelKind::Index => ", or on its table",
+                            RelKind::ToastTable | RelKind::ToastIndex => ": TOAST relations are owner-only",
+                            _ => "",
                         },
                         owner
                     ),
@@ -374,8 +401,27 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo) -> Result<Ve
                 }),
             )
         };
+        let mut sizes: [Option<i64>; 4] = [row.get(8), row.get(9), row.get(10), row.get(11)];
+        let mut planned_skip = planned_skip;
+        if sizes[0].is_none() {
+            match size_locked(client, oid, attempts).await? {
+                Some(s) => sizes = s.map(Some),
+                None => {
+                    let estimate: i64 = row.get(16);
+                    sizes = [Some(estimate.max(0) * bs), Some(0), Some(0), Some(0)];
+                    planned_skip = Some(Skip {
+                        reason: SkipReason::LockTimeout,
+                        detail: format!(
+                            "held ACCESS EXCLUSIVE by another session throughout planning ({attempts} attempts); \
+                             size unknown, about {estimate} blocks by relpages"
+                        ),
+                        fix: Some("run again once the lock is released".into()),
+                    });
+                }
+            }
+        }
         for (i, fork) in Fork::ALL.into_iter().enumerate() {
-            let bytes: i64 = row.get(8 + i);
+            let bytes: i64 = sizes[i].unwrap_or(0);
             if fork != Fork::Main && bytes == 0 {
                 continue;
             }
@@ -400,6 +446,29 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo) -> Result<Ve
         }
     }
     Ok(out)
+}
+
+/// Sizes one relation's four forks, waiting up to lock_timeout per attempt. None: still locked.
+async fn size_locked(client: &Client, oid: u32, attempts: u32) -> Result<Option<[i64; 4]>> {
+    for attempt in 1..=attempts {
+        let res = client
+            .query_one(
+                "SELECT coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'main'), 0),
+                        coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'fsm'), 0),
+                        coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'vm'), 0),
+                        coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'init'), 0)",
+                &[&oid],
+            )
+            .await;
+        match res {
+            Ok(r) => return Ok(Some([r.get(0), r.get(1), r.get(2), r.get(3)])),
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+                info!(oid, attempt, "relation locked while planning; trying again");
+            }
+            Err(e) => return Err(Error::query(format!("sizing relation {oid}"), e)),
+        }
+    }
+    Ok(None)
 }
 
 /// Client-side identifier quoting, used only for text shown to people (never for executed SQL).

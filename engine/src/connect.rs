@@ -68,6 +68,8 @@ pub struct ConnectionSpec {
     tls: TlsMode,
     ca_file: Option<PathBuf>,
     application_name: String,
+    lock_timeout: Duration,
+    statement_timeout: Duration,
 }
 
 impl std::fmt::Debug for ConnectionSpec {
@@ -226,7 +228,14 @@ impl ConnectionSpec {
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_secs(10));
         }
-        Ok(ConnectionSpec { config, tls, ca_file, application_name: "pghydrate".into() })
+        Ok(ConnectionSpec {
+            config,
+            tls,
+            ca_file,
+            application_name: "pghydrate".into(),
+            lock_timeout: Duration::from_secs(5),
+            statement_timeout: Duration::from_secs(300),
+        })
     }
 
     /// Overrides the TLS mode (e.g. from a command-line option).
@@ -236,6 +245,18 @@ impl ConnectionSpec {
             self.ca_file = ca_file;
         }
         self
+    }
+
+    /// lock_timeout and statement_timeout set on every session this spec opens (a statement may
+    /// lower statement_timeout further, e.g. near a deadline).
+    pub fn with_timeouts(mut self, lock_timeout: Duration, statement_timeout: Duration) -> Self {
+        self.lock_timeout = lock_timeout;
+        self.statement_timeout = statement_timeout;
+        self
+    }
+
+    pub fn lock_timeout(&self) -> Duration {
+        self.lock_timeout
     }
 
     pub fn with_application_name(mut self, name: impl Into<String>) -> Self {
@@ -342,6 +363,17 @@ impl ConnectionSpec {
                 tracing::debug!(error = %describe(&e), "session ended");
             }
         });
+        // No statement of this tool may wait on a lock or run without bound.
+        client
+            .query_one(
+                "SELECT pg_catalog.set_config('lock_timeout', $1, false), pg_catalog.set_config('statement_timeout', $2, false)",
+                &[
+                    &format!("{}ms", self.lock_timeout.as_millis().max(1)),
+                    &format!("{}ms", self.statement_timeout.as_millis().max(1)),
+                ],
+            )
+            .await
+            .map_err(|e| classify_connect_error(&target, e))?;
         Ok(client)
     }
 }

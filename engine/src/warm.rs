@@ -282,13 +282,15 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, Stri
     loop {
         let attempt = async {
             let client = s.spec.connect(db).await?;
-            client
-                .query_one(
-                    "SELECT pg_catalog.set_config('lock_timeout', $1, false)",
-                    &[&format!("{}ms", s.opts.lock_timeout.as_millis().max(1))],
-                )
-                .await
-                .map_err(|e| Error::query("setting lock_timeout", e))?;
+            if s.spec.lock_timeout() != s.opts.lock_timeout {
+                client
+                    .query_one(
+                        "SELECT pg_catalog.set_config('lock_timeout', $1, false)",
+                        &[&format!("{}ms", s.opts.lock_timeout.as_millis().max(1))],
+                    )
+                    .await
+                    .map_err(|e| Error::query("setting lock_timeout", e))?;
+            }
             Ok::<_, Error>(client)
         };
         match attempt.await {

@@ -154,7 +154,7 @@ impl Cluster {
     }
 
     pub fn url(&self, user: &str, password: &str, db: &str) -> String {
-        format!("postgresql://{user}:{password}@127.0.0.1:{}/{}?sslmode=disable", self.port, pct(db))
+        format!("postgresql://{user}:{password}@127.0.0.1:{}/{}", self.port, pct(db))
     }
 
     pub fn superuser_url(&self, db: &str) -> String {

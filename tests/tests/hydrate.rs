@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use pghydrate::catalog::{make_plan, PlanOptions};
 use pghydrate::maintain::Maintenance;
+use pghydrate::pattern::RelationPattern;
 use pghydrate::plan::{BlockRange, SkipReason};
 use pghydrate::report::{self, Report};
 use pghydrate::run::{RunOptions, RunState};
@@ -14,7 +15,7 @@ use pghydrate::warm::{Counters, Mode, RangeResult, WarmOptions};
 use pghydrate_tests::{cli, expected_forks, Cluster, ForkKey};
 
 fn plan_opts(range_blocks: u64) -> PlanOptions {
-    PlanOptions { range_blocks, create_extension: true, ..Default::default() }
+    PlanOptions { range_blocks, create_extension: true, lock_attempts: 3, ..Default::default() }
 }
 
 fn run_opts(deadline: Option<Instant>) -> RunOptions {
@@ -239,11 +240,13 @@ async fn permissions_are_reported_exactly(major: u32) {
     assert_eq!(r.exit_code, 4);
     assert_eq!(r.status, "incomplete");
     assert!(r.coverage < 1.0);
-    // customers' heap was granted: read. Its primary key index: owner-only before 18, via the table from 18.
+    // customers' heap was granted: read, and so is its index (the servers tested check an index's table).
     let pkey = r.relations.iter().find(|x| x.database == "app" && x.name == "customers_pkey").unwrap();
     let heap = r.relations.iter().find(|x| x.database == "app" && x.name == "customers" && x.fork == "main").unwrap();
     assert_eq!(heap.outcome, "warmed");
-    assert_eq!(pkey.outcome == "warmed", major >= 18, "{pkey:?}");
+    assert_eq!(pkey.outcome, "warmed", "{pkey:?}");
+    let other = r.relations.iter().find(|x| x.database == "app" && x.name == "documents" && x.fork == "main").unwrap();
+    assert_eq!(other.reason_code, Some(SkipReason::Permission), "{other:?}");
 
     // The member of app_owner reads all of the sample as its owner.
     let r = run_as("member", "member-pw").await;
@@ -356,57 +359,156 @@ fn assert_outcomes_partition_plan(st: &RunState) {
     }
 }
 
-/// A run stopped by its time limit (a locked table holds it up) writes a continuation; `resume` reads
-/// exactly the remaining blocks: the two calls together read every block once, and all are buffered.
+/// A run stopped by its deadline (a table locked after planning holds it up) leaves a continuation;
+/// resuming it (after a JSON round trip, as the CLI and the Lambdas do) reads exactly the remaining
+/// blocks: both calls together read every block once, and all of them end up buffered.
 async fn continuation_covers_exactly_the_rest(major: u32) {
     let cluster = Cluster::start(major, &[]);
     cluster.load_sample("app", 1, None).await;
     cluster.client("app").await.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
     cluster.restart();
 
-    // Hold customers' lock: the run reads `tiny` first, then waits on customers until its deadline.
+    let spec = cluster.superuser_spec().with_timeouts(Duration::from_secs(60), Duration::from_secs(300));
+    let mut popts = plan_opts(16);
+    popts.include_databases = vec!["app".into()];
+    popts.first = vec![RelationPattern::parse("tiny").unwrap(), RelationPattern::parse("customers").unwrap()];
+    let plan = make_plan(&spec, &popts).await.unwrap();
+    assert_eq!(plan.fork(&plan.ranges[0]).name, "tiny", "priority pattern first");
+
+    // Lock customers now: the run reads `tiny`, then waits on customers until its deadline cuts it off.
     let locker = cluster.client("app").await;
     locker.batch_execute("BEGIN; LOCK TABLE customers IN ACCESS EXCLUSIVE MODE").await.unwrap();
+    let mut st = RunState::new(plan, Mode::Buffer, 1, Maintenance::Analyze);
+    let mut opts = run_opts(Some(Instant::now() + Duration::from_secs(3)));
+    opts.warm.lock_timeout = Duration::from_secs(60);
+    st.advance(&spec, &opts, Arc::new(Counters::default())).await.unwrap();
+    assert!(!st.finished());
+    assert!(!st.pending.is_empty());
+    assert!(st.outcomes.iter().all(|o| matches!(o.result, RangeResult::Warmed { .. })), "{:?}", st.outcomes);
+    assert!(st.outcomes.iter().any(|o| st.plan.fork(&o.range).name == "tiny"), "the priority table was read");
+    assert!(!st.outcomes.iter().any(|o| st.plan.fork(&o.range).name == "customers"), "the locked table was not");
+    assert_outcomes_partition_plan(&st);
+    assert_eq!(report::build(&st).exit_code, 5);
+    let pending_before = st.pending.clone();
+    let done_before = st.outcomes.len();
 
-    let dir = cluster.dir().to_path_buf();
-    let cont = dir.join("continuation.json");
-    let url = cluster.superuser_url("postgres");
-    let common = ["--mode", "buffer", "--maintenance", "analyze", "--range-blocks", "16", "--include-database", "app"];
-    let mut args = vec!["run", url.as_str(), "--sessions", "1", "--first", "tiny", "--first", "customers"];
-    args.extend(common);
-    args.extend(["--lock-timeout", "60s", "--time-limit", "4s", "--margin", "1s", "--continuation", cont.to_str().unwrap()]);
-    let (code, stdout, stderr) = cli(&args, &dir);
-    assert_eq!(code, 5, "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stderr.contains("pghydrate resume"), "{stderr}");
-    let first: RunState = RunState::from_json(&std::fs::read_to_string(&cont).unwrap()).unwrap();
-    assert!(!first.pending.is_empty());
-    assert!(first.outcomes.iter().all(|o| matches!(o.result, RangeResult::Warmed { .. })));
-    let tiny_read = first.outcomes.iter().any(|o| first.plan.fork(&o.range).name == "tiny");
-    assert!(tiny_read, "the priority table was read before the deadline");
-    assert!(first.outcomes.iter().all(|o| first.plan.fork(&o.range).table != "public.customers" || first.plan.fork(&o.range).kind != pghydrate::plan::RelKind::Table));
-    assert_outcomes_partition_plan(&first);
-    let pending_before: BTreeSet<BlockRange> = first.pending.iter().copied().collect();
-    let done_before = first.outcomes.len();
-
+    let mut resumed = RunState::from_json(&serde_json::to_string(&st).unwrap()).unwrap();
+    assert_eq!(resumed, st);
     locker.batch_execute("COMMIT").await.unwrap();
-    let report = dir.join("report.json");
-    let (code, stdout, stderr) =
-        cli(&["resume", cont.to_str().unwrap(), url.as_str(), "--report", report.to_str().unwrap()], &dir);
-    assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
-    let r: Report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    assert_eq!(r.coverage, 1.0);
-    assert_eq!(r.pending_bytes, 0);
+    resumed.advance(&spec, &run_opts(None), Arc::new(Counters::default())).await.unwrap();
+    assert!(resumed.finished());
+    assert_outcomes_partition_plan(&resumed);
+    let mut read_now: Vec<BlockRange> = resumed.outcomes[done_before..].iter().map(|o| o.range).collect();
+    let mut want = pending_before;
+    read_now.sort();
+    want.sort();
+    assert_eq!(read_now, want, "the resumed call read exactly the pending ranges");
+    let r = report::build(&resumed);
+    assert_eq!((r.coverage, r.exit_code, r.pending_bytes), (1.0, 0, 0));
     for x in r.relations.iter().filter(|x| x.outcome != "excluded") {
         assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
     }
     assert!(!r.maintenance.is_empty() && r.maintenance.iter().all(|m| m.outcome == "done"), "{:?}", r.maintenance);
-    assert!(!cont.exists(), "a finished continuation is removed");
-    // What the resume read is exactly what was pending: no more, no less.
-    let resumed_blocks: u64 = r.relations.iter().map(|x| x.warmed_blocks).sum::<u64>()
-        - first.outcomes.iter().map(|o| o.range.blocks()).sum::<u64>();
-    assert_eq!(resumed_blocks, pending_before.iter().map(|p| p.blocks()).sum::<u64>());
-    assert!(done_before > 0);
     assert_all_blocks_buffered(&cluster, &r).await;
+}
+
+/// A relation held ACCESS EXCLUSIVE while planning does not stall the plan: it is tried
+/// `lock_attempts` times, then planned as skipped with reason lock_timeout; everything else is planned.
+async fn locked_while_planning_is_reported_not_waited_for(major: u32) {
+    let cluster = Cluster::start(major, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let locker = cluster.client("app").await;
+    locker.batch_execute("BEGIN; LOCK TABLE documents IN ACCESS EXCLUSIVE MODE").await.unwrap();
+    let spec = cluster.superuser_spec().with_timeouts(Duration::from_millis(200), Duration::from_secs(60));
+    let mut popts = plan_opts(1024);
+    popts.include_databases = vec!["app".into()];
+    popts.lock_attempts = 2;
+    // A guard against a hang, not a performance assertion.
+    let plan = tokio::time::timeout(Duration::from_secs(60), make_plan(&spec, &popts)).await.expect("plan hung").unwrap();
+    let docs = plan.forks.iter().find(|f| f.name == "documents" && f.fork == pghydrate::plan::Fork::Main).unwrap();
+    assert_eq!(docs.planned_skip.as_ref().map(|s| s.reason), Some(SkipReason::LockTimeout), "{docs:?}");
+    let mut st = RunState::new(plan, Mode::Read, 2, Maintenance::Analyze);
+    let mut opts = run_opts(None);
+    opts.warm.lock_timeout = Duration::from_millis(200);
+    st.advance(&spec, &opts, Arc::new(Counters::default())).await.unwrap();
+    let r = report::build(&st);
+    // Only documents is skipped: its heap (locked while planning) and its indexes (pg_prewarm locks an
+    // index's table too), each with reason lock_timeout.
+    let skipped: Vec<_> = r.relations.iter().filter(|x| x.outcome == "skipped").collect();
+    assert!(skipped.iter().any(|x| x.name == "documents"), "{skipped:?}");
+    for x in &skipped {
+        assert_eq!(x.reason_code, Some(SkipReason::LockTimeout), "{x:?}");
+        assert!(st.plan.forks.iter().any(|f| f.oid == x.oid && f.table == "public.documents"), "{x:?}");
+    }
+    assert_eq!(r.exit_code, 4);
+    let m = r.maintenance.iter().find(|m| m.table == "public.documents").unwrap();
+    assert_eq!(m.outcome, "skipped", "ANALYZE of the locked table gives up after lock_timeout: {m:?}");
+    locker.batch_execute("COMMIT").await.unwrap();
+}
+
+/// The CLI writes a continuation when its time limit stops it (exit 5) and `resume` finishes the
+/// job (exit 0, full coverage) and removes the continuation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_resume_finishes_a_stopped_run() {
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let dir = cluster.dir().to_path_buf();
+    let cont = dir.join("cont.json");
+    let url = cluster.superuser_url("postgres");
+    // A margin just under the limit: planning uses up the rest, so no range starts.
+    let (code, stdout, stderr) = cli(
+        &["run", &url, "--time-limit", "2s", "--margin", "1990ms", "--continuation", cont.to_str().unwrap()],
+        &dir,
+    );
+    assert_eq!(code, 5, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stderr.contains(&format!("pghydrate resume {}", cont.display())), "{stderr}");
+    let st = RunState::from_json(&std::fs::read_to_string(&cont).unwrap()).unwrap();
+    assert_eq!(st.pending.len(), st.plan.ranges.len());
+    assert!(!std::fs::read_to_string(&cont).unwrap().contains(pghydrate_tests::SUPERUSER_PASSWORD));
+    let report = dir.join("r.json");
+    let (code, stdout, stderr) =
+        cli(&["resume", cont.to_str().unwrap(), &url, "--report", report.to_str().unwrap()], &dir);
+    assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let r: Report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!((r.coverage, r.status.as_str()), (1.0, "complete"));
+    assert!(stdout.contains("pghydrate complete"), "{stdout}");
+    assert!(!cont.exists());
+}
+
+/// Bad input: one clear line on stderr, a documented non-zero exit, and never the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_one_clear_line() {
+    let cluster = Cluster::start(15, &[]);
+    let dir = cluster.dir().to_path_buf();
+    let closed_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let wrong_pw = format!("postgresql://postgres:Wr0ng-pass@127.0.0.1:{}/postgres", cluster.port);
+    let no_tls = format!("postgresql://postgres:x@127.0.0.1:{}/postgres?sslmode=require", cluster.port);
+    let good = cluster.superuser_url("postgres");
+    let unreachable = format!("postgresql://postgres:x@127.0.0.1:{closed_port}/postgres");
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (vec!["run", &unreachable], 3, "cannot connect"),
+        (vec!["run", &wrong_pw], 3, "authentication failed"),
+        (vec!["run", &no_tls], 3, "TLS"),
+        (vec!["run", &good, "--include-database", "nosuchdb"], 2, "matches no database"),
+        (vec!["run", &good, "--include", "public.no_such_table"], 2, "matches no relation"),
+        (vec!["run", &good, "--sessions", "0"], 2, "--sessions"),
+        (vec!["run", &good, "--mode", "fast"], 2, "--mode"),
+        (vec!["run", &good, "--lock-timeout", "soon"], 2, "--lock-timeout"),
+        (vec!["run", &good, "--range-blocks", "0"], 2, "--range-blocks"),
+        (vec!["run", &good, "--time-limit", "10s", "--margin", "30s"], 2, "--time-limit"),
+        (vec!["run", &good, "--tls", "sometimes"], 2, "--tls"),
+        (vec!["run", "postgresql://h/db?sslmode=maybe"], 2, "sslmode"),
+        (vec!["run", &good, "--tls", "verify-full", "--ca-file", "/nonexistent/ca.pem"], 2, "CA bundle"),
+        (vec!["resume", "/nonexistent/continuation.json", &good], 1, "continuation"),
+    ];
+    for (args, want_code, want_text) in cases {
+        let (code, _stdout, stderr) = cli(&args, &dir);
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(code, want_code, "{args:?}: {stderr}");
+        assert_eq!(lines.len(), 1, "{args:?}: expected one line, got {stderr}");
+        assert!(lines[0].starts_with("pghydrate: ") && lines[0].contains(want_text), "{args:?}: {stderr}");
+        assert!(!stderr.contains("Wr0ng-pass") && !stderr.contains(pghydrate_tests::SUPERUSER_PASSWORD), "{args:?}: password leaked");
+    }
 }
 
 macro_rules! per_version {
@@ -430,5 +532,6 @@ per_version!(
     every_block_is_read,
     permissions_are_reported_exactly,
     dropped_and_truncated_during_the_run,
-    continuation_covers_exactly_the_rest
+    continuation_covers_exactly_the_rest,
+    locked_while_planning_is_reported_not_waited_for
 );

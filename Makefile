@@ -1,0 +1,31 @@
+# pghydrate: the two commands are `make demo` (hydrate a local sample database) and `make test`.
+# Everything they need is installed by scripts/setup.sh (idempotent; cached under PGHYDRATE_HOME).
+
+export PGHYDRATE_HOME ?= /var/tmp/pghydrate
+# Build outside the clone so repeated runs (and CI) build incrementally.
+export CARGO_TARGET_DIR ?= $(PGHYDRATE_HOME)/target
+CARGO ?= cargo
+
+.PHONY: setup build demo test unit clean-demo
+
+setup:
+	bash scripts/setup.sh
+
+build:
+	$(CARGO) build --workspace --locked
+
+## Creates a local PostgreSQL with a sample database (~300 MiB), makes it cold, hydrates it.
+demo: setup
+	$(CARGO) build --release --locked -p pghydrate-cli
+	PGHYDRATE_BIN=$(CARGO_TARGET_DIR)/release/pghydrate bash scripts/demo.sh
+
+## Every test: unit tests, property tests, and the real-server tests on PostgreSQL 15, 16, 17, 18.
+test: setup
+	$(CARGO) build --locked -p pghydrate-cli
+	$(CARGO) test --workspace --locked
+
+unit:
+	$(CARGO) test --locked -p pghydrate
+
+clean-demo:
+	rm -rf $(PGHYDRATE_HOME)/demo
