@@ -5,6 +5,7 @@ export PGHYDRATE_HOME ?= /var/tmp/pghydrate
 # Build outside the clone so repeated runs (and CI) build incrementally.
 export CARGO_TARGET_DIR ?= $(PGHYDRATE_HOME)/target
 CARGO ?= cargo
+SHELL := /bin/bash
 
 .PHONY: setup build demo test unit clean-demo
 
@@ -22,7 +23,8 @@ demo: setup
 ## Every test: unit tests, property tests, and the real-server tests on PostgreSQL 15, 16, 17, 18.
 test: setup
 	$(CARGO) build --locked -p pghydrate-cli
-	$(CARGO) test --workspace --locked
+	set -o pipefail; $(CARGO) test --workspace --locked 2>&1 | tee $(PGHYDRATE_HOME)/test.log
+	@awk '/^test result:/ { p += $$4; f += $$6 } END { printf "%d passed, %d failed\n", p, f }' $(PGHYDRATE_HOME)/test.log
 
 unit:
 	$(CARGO) test --locked -p pghydrate
