@@ -19,8 +19,11 @@ as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u "$RUN_AS" -- "$@"; else "$@"; f
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 psql_() { PGPASSWORD=$PASSWORD "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$PORT" -U postgres "$@"; }
 stop() { as_pg "$PGBIN/pg_ctl" -D "$DEMO/data" -m fast -w stop >/dev/null 2>&1 || true; }
-residency() {  # share of the data files' pages in the OS page cache
-  python3 "$ROOT/scripts/pagecache.py" residency "$DEMO/data/base" "$DEMO/data/global"
+residency() {  # share of each database's data files in the OS page cache
+  psql_ -d postgres -At -F ' ' -c "SELECT oid, datname FROM pg_database ORDER BY oid" | while read -r oid name; do
+    printf '%s' " $name $(python3 "$ROOT/scripts/pagecache.py" residency "$DEMO/data/base/$oid"),"
+  done
+  printf ' shared catalogs %s\n' "$(python3 "$ROOT/scripts/pagecache.py" residency "$DEMO/data/global")"
 }
 
 mkdir -p "$DEMO"
@@ -50,12 +53,12 @@ fi
 echo "demo: making it cold: restarting PostgreSQL (empty shared_buffers) and evicting its files from the page cache"
 as_pg "$PGBIN/pg_ctl" -D "$DEMO/data" -l "$DEMO/log" -o "-p $PORT" -w start >/dev/null
 python3 scripts/pagecache.py evict "$DEMO/data/base" "$DEMO/data/global"
-echo "demo: page cache residency of the data files before: $(residency)"
+echo "demo: page cache residency before:$(residency)"
 echo "demo: running: pghydrate run postgresql://postgres:***@127.0.0.1:$PORT/postgres --report $DEMO/report.json $*"
 set +e
-PGPASSWORD=$PASSWORD "$BIN" run "postgresql://postgres@127.0.0.1:$PORT/postgres?sslmode=disable" --report "$DEMO/report.json" "$@"
+PGPASSWORD=$PASSWORD "$BIN" run "postgresql://postgres@127.0.0.1:$PORT/postgres" --report "$DEMO/report.json" "$@"
 code=$?
 set -e
-echo "demo: page cache residency of the data files after: $(residency)"
+echo "demo: page cache residency after:$(residency) (templates are not hydrated: nobody connects to them)"
 echo "demo: full JSON report: $DEMO/report.json (exit code $code)"
 exit $code

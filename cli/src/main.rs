@@ -272,7 +272,7 @@ fn spec_of(conn: &ConnArgs, t: &TimeoutArgs) -> pghydrate::Result<ConnectionSpec
     Ok(spec)
 }
 
-fn plan_options(p: &PlanArgs, t: &TimeoutArgs, create_extension: bool) -> PlanOptions {
+fn plan_options(p: &PlanArgs, t: &TimeoutArgs, dry_run: bool) -> PlanOptions {
     PlanOptions {
         include_databases: p.include_databases.clone(),
         exclude_databases: p.exclude_databases.clone(),
@@ -280,7 +280,8 @@ fn plan_options(p: &PlanArgs, t: &TimeoutArgs, create_extension: bool) -> PlanOp
         exclude: p.exclude.clone(),
         first: p.first.clone(),
         range_blocks: p.range_blocks,
-        create_extension,
+        create_extension: !p.no_create_extension,
+        dry_run,
         lock_attempts: t.lock_attempts,
     }
 }
@@ -311,7 +312,7 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
     match command {
         Command::Plan { conn, plan, timeouts, json, all } => {
             let spec = spec_of(&conn, &timeouts)?;
-            let plan = make_plan(&spec, &plan_options(&plan, &timeouts, false)).await?;
+            let plan = make_plan(&spec, &plan_options(&plan, &timeouts, true)).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&plan).expect("plan serializes"));
             } else {
@@ -331,7 +332,7 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
                 }
             }
             let opts = run_options(&warm, &timeouts, started);
-            let plan = make_plan(&spec, &plan_options(&plan, &timeouts, true)).await?;
+            let plan = make_plan(&spec, &plan_options(&plan, &timeouts, false)).await?;
             let mode = match warm.mode {
                 ModeArg::Auto => Mode::auto(&plan.server),
                 ModeArg::Read => Mode::Read,

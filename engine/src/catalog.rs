@@ -26,6 +26,9 @@ pub struct PlanOptions {
     pub range_blocks: u64,
     /// Create pg_prewarm where it is missing (CREATE EXTENSION). On by default.
     pub create_extension: bool,
+    /// Change nothing (the `plan` command): where pg_prewarm is missing but available, plan as if
+    /// `run` will create it, and say so in the database's reason.
+    pub dry_run: bool,
     /// Attempts (each waiting up to the session's lock_timeout) to size a relation that another
     /// session holds ACCESS EXCLUSIVE; after the last, it is planned as skipped (lock_timeout).
     pub lock_attempts: u32,
@@ -195,7 +198,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
                 continue;
             }
         };
-        let (function, ext_problem) = ensure_extension(&client, &d.name, opts.create_extension).await?;
+        let (function, ext_problem, note) = ensure_extension(&client, &d.name, opts).await?;
         let mut db_forks = list_forks(&client, &d.name, &server, opts.lock_attempts.max(1)).await?;
         db_forks.retain(|f| {
             // Shared catalogs appear in every database: read them once.
@@ -220,7 +223,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         databases.push(DatabaseEntry {
             name: d.name.clone(),
             outcome: if ext_problem.is_some() { "skipped".into() } else { "planned".into() },
-            reason: ext_problem,
+            reason: ext_problem.or(note),
             prewarm_function: function,
             counts_against_coverage: true,
         });
@@ -258,26 +261,42 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
     Ok(plan)
 }
 
-/// Returns the schema-qualified pg_prewarm function, or why it is not available.
-async fn ensure_extension(client: &Client, db: &str, create: bool) -> Result<(Option<String>, Option<String>)> {
+/// Returns the schema-qualified pg_prewarm function, or why it is not available, and a note for a
+/// dry run that plans as if `run` will create it.
+async fn ensure_extension(
+    client: &Client,
+    db: &str,
+    opts: &PlanOptions,
+) -> Result<(Option<String>, Option<String>, Option<String>)> {
     const FIND: &str = "SELECT format('%I.pg_prewarm', n.nspname)
                           FROM pg_catalog.pg_extension e JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace
                          WHERE e.extname = 'pg_prewarm'";
     if let Some(row) = client.query_opt(FIND, &[]).await.map_err(|e| Error::query("finding pg_prewarm", e))? {
-        return Ok((Some(row.get(0)), None));
+        return Ok((Some(row.get(0)), None, None));
     }
-    if !create {
-        return Ok((None, Some("pg_prewarm is not installed (and --no-create-extension was given)".into())));
+    let available = client
+        .query_opt("SELECT 1 FROM pg_catalog.pg_available_extensions WHERE name = 'pg_prewarm'", &[])
+        .await
+        .map_err(|e| Error::query("looking for pg_prewarm", e))?
+        .is_some();
+    if !available {
+        return Ok((None, Some("pg_prewarm is not installed on the server (contrib package missing)".into()), None));
+    }
+    if !opts.create_extension {
+        return Ok((None, Some("pg_prewarm is not installed (and --no-create-extension was given)".into()), None));
+    }
+    if opts.dry_run {
+        return Ok((None, None, Some("pg_prewarm missing: run will CREATE EXTENSION pg_prewarm".into())));
     }
     match client.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm").await {
         Ok(()) => {
             info!(database = %db, "created extension pg_prewarm");
             let row = client.query_one(FIND, &[]).await.map_err(|e| Error::query("finding pg_prewarm", e))?;
-            Ok((Some(row.get(0)), None))
+            Ok((Some(row.get(0)), None, None))
         }
         Err(e) => {
             warn!(database = %db, error = %describe(&e), "pg_prewarm missing and not creatable");
-            Ok((None, Some(format!("pg_prewarm is not installed and could not be created: {}", describe(&e)))))
+            Ok((None, Some(format!("pg_prewarm is not installed and could not be created: {}", describe(&e))), None))
         }
     }
 }

@@ -165,7 +165,7 @@ pub async fn maintain(
         let secs = started.elapsed().as_secs_f64();
         match res {
             Ok(()) => {
-                info!(database = %t.database, table = %t.table, action = %action, seconds = secs, "maintained");
+                tracing::debug!(database = %t.database, table = %t.table, action = %action, seconds = secs, "maintained");
                 results.push(done("done", None, secs));
             }
             Err(e) if is_connection_error(&e) => {
@@ -182,5 +182,7 @@ pub async fn maintain(
             }
         }
     }
+    let done = results.iter().filter(|r| r.outcome == "done").count();
+    info!(done, skipped = results.len() - done, left = pending.len(), "maintenance");
     (results, pending.into())
 }

@@ -148,3 +148,30 @@ impl RunState {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(max: u32, reserved: u32, in_use: u32) -> ServerInfo {
+        ServerInfo {
+            version_num: 170000,
+            version: String::new(),
+            block_size: 8192,
+            login_role: "r".into(),
+            is_superuser: false,
+            max_connections: max,
+            reserved_connections: reserved,
+            connections_in_use: in_use,
+        }
+    }
+
+    #[test]
+    fn sessions_take_at_most_half_the_free_slots() {
+        assert_eq!(effective_sessions(8, &server(100, 3, 10)), (8, None));
+        let (n, warning) = effective_sessions(64, &server(100, 3, 10));
+        assert_eq!(n, 43);
+        assert!(warning.unwrap().contains("87 free connection slots"));
+        assert_eq!(effective_sessions(8, &server(10, 3, 7)).0, 1, "never fewer than one");
+    }
+}

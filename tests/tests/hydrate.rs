@@ -511,6 +511,109 @@ async fn bad_input_gets_one_clear_line() {
     }
 }
 
+/// Waits until a pghydrate session waits on a lock; returns its pid.
+async fn pghydrate_waiting_on_lock(admin: &tokio_postgres::Client, not: Option<i32>) -> i32 {
+    for _ in 0..600 {
+        let row = admin
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'pghydrate' AND wait_event_type = 'Lock'
+                   AND pid <> coalesce($1, 0) LIMIT 1",
+                &[&not],
+            )
+            .await
+            .unwrap();
+        if let Some(r) = row {
+            return r.get(0);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no pghydrate session came to wait on the lock");
+}
+
+/// A session killed mid-range (pg_terminate_backend), and then the whole server restarted mid-run:
+/// the range is retried on a new session each time and the run ends complete, each block counted once.
+async fn lost_sessions_and_restarts_are_survived(major: u32) {
+    let cluster = Cluster::start(major, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let spec = cluster.superuser_spec().with_timeouts(Duration::from_secs(60), Duration::from_secs(300));
+    let mut popts = plan_opts(64);
+    popts.include_databases = vec!["app".into()];
+    popts.first = vec![RelationPattern::parse("customers").unwrap()];
+    let plan = make_plan(&spec, &popts).await.unwrap();
+
+    let locker = cluster.client("app").await;
+    locker.batch_execute("BEGIN; LOCK TABLE customers IN ACCESS EXCLUSIVE MODE").await.unwrap();
+    let mut st = RunState::new(plan, Mode::Read, 1, Maintenance::None);
+    let mut opts = run_opts(None);
+    opts.warm.lock_timeout = Duration::from_secs(60);
+    opts.warm.reconnect_for = Duration::from_secs(60);
+    let run = tokio::spawn(async move {
+        st.advance(&spec, &opts, Arc::new(Counters::default())).await.unwrap();
+        st
+    });
+
+    // 1. Kill the session while it waits on customers: it must come back and wait again.
+    let admin = cluster.client("postgres").await;
+    let pid = pghydrate_waiting_on_lock(&admin, None).await;
+    admin.query_one("SELECT pg_terminate_backend($1)", &[&pid]).await.unwrap();
+    let pid2 = pghydrate_waiting_on_lock(&admin, Some(pid)).await;
+    assert_ne!(pid, pid2);
+    drop(admin);
+
+    // 2. Restart the server under it (this also ends the lock holder's transaction).
+    cluster.stop("fast");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cluster.start_again();
+    drop(locker);
+
+    let st = tokio::time::timeout(Duration::from_secs(120), run).await.expect("run hung").unwrap();
+    assert_outcomes_partition_plan(&st);
+    let r = report::build(&st);
+    assert_eq!((r.coverage, r.status.as_str()), (1.0, "complete"), "{:?}", report_keys(&r, "skipped"));
+    for x in r.relations.iter().filter(|x| x.outcome != "excluded") {
+        assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
+    }
+}
+
+/// Include / exclude / first patterns through the CLI: excluded tables (with their indexes and TOAST)
+/// are listed as excluded and not read, the rest is complete, and `plan --json` puts `--first` first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn patterns_choose_what_is_read_and_when() {
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    cluster.load_sample("other", 1, None).await;
+    let dir = cluster.dir().to_path_buf();
+    let url = cluster.superuser_url("postgres");
+    let (code, stdout, stderr) = cli(
+        &["plan", &url, "--json", "--include-database", "app", "--first", "places", "--exclude", "public.documents"],
+        &dir,
+    );
+    assert_eq!(code, 0, "{stderr}");
+    let plan: pghydrate::plan::Plan = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(plan.fork(&plan.ranges[0]).table, "public.places");
+    assert!(plan.forks.iter().all(|f| f.database == "app"), "only the included database is planned");
+    assert_eq!(plan.databases.iter().find(|d| d.name == "other").unwrap().outcome, "excluded");
+
+    let report = dir.join("r.json");
+    let (code, stdout, stderr) = cli(
+        &["run", &url, "--include-database", "app", "--exclude", "public.documents", "--report", report.to_str().unwrap()],
+        &dir,
+    );
+    assert_eq!(code, 0, "{stdout}{stderr}");
+    let r: Report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let excluded: Vec<_> = r.relations.iter().filter(|x| x.outcome == "excluded").collect();
+    let kinds: BTreeSet<String> = excluded.iter().map(|x| format!("{:?}", x.kind)).collect();
+    assert_eq!(
+        kinds,
+        ["Index", "Table", "ToastIndex", "ToastTable"].iter().map(|s| s.to_string()).collect(),
+        "documents with its index and TOAST: {excluded:?}"
+    );
+    assert!(excluded.iter().all(|x| x.warmed_blocks == 0));
+    assert!(r.excluded_bytes > 0);
+    assert_eq!(r.coverage, 1.0);
+    assert!(r.maintenance.iter().all(|m| m.table != "public.documents"), "excluded tables are not maintained");
+}
+
 macro_rules! per_version {
     ($($test:ident),*) => {
         $(
@@ -533,5 +636,6 @@ per_version!(
     permissions_are_reported_exactly,
     dropped_and_truncated_during_the_run,
     continuation_covers_exactly_the_rest,
-    locked_while_planning_is_reported_not_waited_for
+    locked_while_planning_is_reported_not_waited_for,
+    lost_sessions_and_restarts_are_survived
 );
