@@ -9,6 +9,7 @@
 pub mod catalog;
 pub mod connect;
 pub mod error;
+pub mod events;
 pub mod maintain;
 pub mod pattern;
 pub mod plan;
