@@ -59,6 +59,14 @@ pub enum Error {
         source: tokio_postgres::Error,
     },
 
+    /// An AWS API call failed (`throttled`: retry later).
+    #[error("{context}: {reason}")]
+    Aws { context: String, reason: String, throttled: bool },
+
+    /// The DB instance does not exist (or is not visible to this account and region).
+    #[error("DB instance {0:?} not found")]
+    InstanceNotFound(String),
+
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -78,12 +86,15 @@ impl Error {
             Error::Unsupported(_) => "UnsupportedServer",
             Error::Query { .. } => "QueryFailed",
             Error::Io { .. } => "IoFailed",
+            Error::Aws { throttled: true, .. } => "AwsThrottled",
+            Error::Aws { .. } => "AwsFailed",
+            Error::InstanceNotFound(_) => "InstanceNotFound",
         }
     }
 
     /// Whether trying again later can succeed (the state machine retries these).
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::Connect { .. })
+        matches!(self, Error::Connect { .. } | Error::Aws { throttled: true, .. })
             || matches!(self, Error::Query { source, .. } if is_connection_error(source))
     }
 
@@ -92,6 +103,8 @@ impl Error {
             Error::InvalidInput(_) | Error::Unsupported(_) => exit::INVALID_INPUT,
             Error::Connect { .. } | Error::Authentication { .. } | Error::Tls { .. } => exit::CONNECTION,
             Error::Query { source, .. } if is_connection_error(source) => exit::CONNECTION,
+            Error::InstanceNotFound(_) => exit::INVALID_INPUT,
+            Error::Aws { .. } => exit::CONNECTION,
             Error::Query { .. } | Error::Io { .. } => exit::INTERNAL,
         }
     }

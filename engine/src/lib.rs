@@ -6,6 +6,8 @@
 //! - [`run::RunState`] is a whole hydration as one serializable value (the continuation);
 //! - [`report`] turns a state into the report.
 
+#[cfg(feature = "aws")]
+pub mod aws;
 pub mod catalog;
 pub mod connect;
 pub mod error;
@@ -16,6 +18,7 @@ pub mod plan;
 pub mod report;
 pub mod run;
 pub mod warm;
+pub mod workflow;
 
 pub use connect::{ConnectionSpec, TlsMode};
 pub use error::{Error, Result};

@@ -1,0 +1,563 @@
+//! The serverless workflow's state, kept small: a plan is cut into self-contained work items (one
+//! database, the forks they touch, their ranges) that a Lambda call warms until its deadline and returns
+//! with exactly what is left. Items never hold a secret. Each state stays far below Step Functions'
+//! 256 KiB: items are bounded in ranges and in serialized size, and a plan with more items than the
+//! inline limit goes to S3 for a Distributed Map.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::connect::ConnectionSpec;
+use crate::error::{Error, Result};
+use crate::plan::{BlockRange, DatabaseEntry, ForkEntry, Plan};
+use crate::warm::{self, Counters, Mode, RangeOutcome, RangeResult, WarmOptions};
+
+/// Step Functions' limit on a state's input or output.
+pub const STATE_LIMIT_BYTES: usize = 256 * 1024;
+/// Largest serialized work item: a quarter of the state limit, leaving room for the rest of the state.
+pub const ITEM_LIMIT_BYTES: usize = 64 * 1024;
+/// Items carried inline (and run by an inline Map) when they fit; more go to S3.
+pub const INLINE_ITEMS_LIMIT: usize = 40;
+
+/// One work item: ranges of one database, with the forks they name (`range.fork` indexes `forks`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WorkItem {
+    pub id: u32,
+    pub database: String,
+    pub prewarm_function: String,
+    pub block_size: u64,
+    pub forks: Vec<ForkEntry>,
+    /// Ranges still to read.
+    pub pending: Vec<BlockRange>,
+    /// Totals of what earlier calls did (per-range outcomes are summarized, not carried).
+    pub done: ItemTotals,
+    /// Forks with a non-vanished skip, with the first reason seen (reported once per fork).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub skipped: BTreeMap<u32, String>,
+    pub calls: u32,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ItemTotals {
+    pub warmed_blocks: u64,
+    pub vanished_blocks: u64,
+    pub skipped_blocks: u64,
+}
+
+/// Cuts a plan into work items of at most `max_blocks` blocks and `max_ranges` ranges each (one
+/// database per item), keeping the plan's reading order across items.
+pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec<WorkItem>> {
+    let mut items: Vec<WorkItem> = Vec::new();
+    let mut open: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &plan.ranges {
+        let fork = plan.fork(r);
+        let db = &fork.database;
+        let function = plan
+            .prewarm_function(db)
+            .ok_or_else(|| Error::InvalidInput(format!("database {db:?} has ranges but no pg_prewarm")))?
+            .to_string();
+        let idx = match open.get(db) {
+            Some(&i) if items[i].pending.len() < max_ranges && blocks(&items[i]) + r.blocks() <= max_blocks.max(r.blocks()) => i,
+            _ => {
+                items.push(WorkItem {
+                    id: items.len() as u32,
+                    database: db.clone(),
+                    prewarm_function: function,
+                    block_size: plan.server.block_size,
+                    forks: Vec::new(),
+                    pending: Vec::new(),
+                    done: ItemTotals::default(),
+                    skipped: BTreeMap::new(),
+                    calls: 0,
+                });
+                open.insert(db.clone(), items.len() - 1);
+                items.len() - 1
+            }
+        };
+        let item = &mut items[idx];
+        let local = match item.forks.iter().position(|f| f.oid == fork.oid && f.fork == fork.fork) {
+            Some(i) => i,
+            None => {
+                item.forks.push(fork.clone());
+                item.forks.len() - 1
+            }
+        } as u32;
+        item.pending.push(BlockRange { fork: local, ..*r });
+    }
+    for item in &items {
+        let size = serde_json::to_vec(item).expect("serializes").len();
+        if size > ITEM_LIMIT_BYTES {
+            return Err(Error::InvalidInput(format!(
+                "work item {} serializes to {size} bytes (limit {ITEM_LIMIT_BYTES}): lower max_ranges",
+                item.id
+            )));
+        }
+    }
+    Ok(items)
+}
+
+fn blocks(item: &WorkItem) -> u64 {
+    item.pending.iter().map(BlockRange::blocks).sum()
+}
+
+impl WorkItem {
+    /// Warms this item's pending ranges until done or until `deadline` (minus `opts.margin`); records
+    /// the totals and keeps exactly the ranges not yet read.
+    pub async fn advance(&mut self, spec: &ConnectionSpec, opts: &WarmOptions) -> Result<()> {
+        self.calls += 1;
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let plan = Arc::new(self.as_plan());
+        let ranges = std::mem::take(&mut self.pending);
+        let (outcomes, pending) = warm::warm(spec, plan, ranges, opts, Arc::new(Counters::default())).await?;
+        self.absorb(&outcomes);
+        self.pending = pending;
+        Ok(())
+    }
+
+    fn absorb(&mut self, outcomes: &[RangeOutcome]) {
+        for o in outcomes {
+            match &o.result {
+                RangeResult::Warmed { .. } => self.done.warmed_blocks += o.range.blocks(),
+                RangeResult::Skipped(s) if s.reason.vanished() => self.done.vanished_blocks += o.range.blocks(),
+                RangeResult::Skipped(s) => {
+                    self.done.skipped_blocks += o.range.blocks();
+                    self.skipped.entry(o.range.fork).or_insert_with(|| format!("{:?}: {}", s.reason, s.detail));
+                }
+            }
+        }
+    }
+
+    fn as_plan(&self) -> Plan {
+        Plan {
+            format: crate::plan::PLAN_FORMAT,
+            created_at: String::new(),
+            server: crate::plan::ServerInfo {
+                version_num: 0,
+                version: String::new(),
+                block_size: self.block_size,
+                login_role: String::new(),
+                is_superuser: false,
+                max_connections: 0,
+                reserved_connections: 0,
+                connections_in_use: 0,
+            },
+            range_blocks: 0,
+            databases: vec![DatabaseEntry {
+                name: self.database.clone(),
+                outcome: "planned".into(),
+                reason: None,
+                prewarm_function: Some(self.prewarm_function.clone()),
+                counts_against_coverage: true,
+            }],
+            forks: self.forks.clone(),
+            ranges: self.pending.clone(),
+            plan_seconds: 0.0,
+        }
+    }
+
+    pub fn done(&self) -> bool {
+        self.pending.is_empty()
+    }
+}
+
+/// A DB instance as DescribeDBInstances shows it (only what the workflow uses).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct InstanceView {
+    pub id: String,
+    pub arn: Option<String>,
+    pub status: String,
+    pub engine: String,
+    pub address: Option<String>,
+    pub port: Option<u16>,
+    /// StorageOperationStatus: present only while an operation (Initializing, Optimizing) runs.
+    pub storage_status: Option<String>,
+    pub storage_progress: Option<i32>,
+    pub master_secret_arn: Option<String>,
+    pub master_username: Option<String>,
+    pub tags: BTreeMap<String, String>,
+}
+
+/// Instance states in which waiting is pointless.
+pub const TERMINAL_STATES: &[&str] =
+    &["deleted", "deleting", "failed", "incompatible-restore", "incompatible-parameters", "incompatible-network"];
+
+/// Whether the instance accepts sessions: "available", "failed" (with why), or "waiting".
+pub fn ready_state(v: &InstanceView) -> (&'static str, String) {
+    if v.status == "available" {
+        ("available", format!("{} is available", v.id))
+    } else if TERMINAL_STATES.contains(&v.status.as_str()) {
+        ("failed", format!("{} is {}: it will not become available", v.id, v.status))
+    } else {
+        ("waiting", format!("{} is {}", v.id, v.status))
+    }
+}
+
+/// Storage initialization: "initialized" once StorageOperationStatus is absent, "initializing" (with
+/// the percentage) while it runs, "failed" if the instance went away.
+pub fn storage_state(v: &InstanceView) -> (&'static str, String, Option<i32>) {
+    if TERMINAL_STATES.contains(&v.status.as_str()) {
+        return ("failed", format!("{} is {}", v.id, v.status), None);
+    }
+    match &v.storage_status {
+        None => ("initialized", format!("{}: no storage operation in progress", v.id), Some(100)),
+        Some(op) => (
+            "initializing",
+            format!("{}: {op} {}%", v.id, v.storage_progress.map(|p| p.to_string()).unwrap_or_else(|| "?".into())),
+            v.storage_progress,
+        ),
+    }
+}
+
+/// Username and password from a secret's JSON text. The error never quotes the secret.
+pub fn credentials_from_secret(text: &str) -> std::result::Result<(String, String), String> {
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|_| "the secret value is not JSON".to_string())?;
+    let field = |name: &str| -> std::result::Result<String, String> {
+        match v.get(name) {
+            Some(serde_json::Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+            Some(_) => Err(format!("the secret's {name:?} is not a non-empty string")),
+            None => Err(format!("the secret has no {name:?} field")),
+        }
+    };
+    Ok((field("username")?, field("password")?))
+}
+
+/// Workflow defaults, read once from the Resolve Lambda's environment (the SAM template sets them);
+/// tests shorten the intervals through the same variables.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Defaults {
+    pub sessions: u32,
+    pub mode: String,
+    pub maintenance: String,
+    pub range_blocks: u64,
+    pub item_blocks: u64,
+    pub item_ranges: usize,
+    /// Glob over DB instance identifiers that qualify ("*": every PostgreSQL instance).
+    pub instance_pattern: String,
+    /// `key=value`: only instances with this tag qualify (empty: no tag needed).
+    pub required_tag: Option<(String, String)>,
+    pub credentials: crate::events::Credentials,
+    pub ready_poll_seconds: u32,
+    pub storage_poll_seconds: u32,
+    pub ready_limit_minutes: u32,
+    pub storage_limit_minutes: u32,
+}
+
+impl Defaults {
+    /// Reads PGHYDRATE_* variables; every one has a default; a bad value names its variable.
+    pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        fn num<T: std::str::FromStr>(get: &dyn Fn(&str) -> Option<String>, name: &str, default: T) -> Result<T> {
+            match get(name) {
+                None => Ok(default),
+                Some(v) if v.trim().is_empty() => Ok(default),
+                Some(v) => v.trim().parse().map_err(|_| Error::InvalidInput(format!("{name}={v:?} is not a number"))),
+            }
+        }
+        let get: &dyn Fn(&str) -> Option<String> = &get;
+        let text = |name: &str, default: &str| get(name).filter(|v| !v.trim().is_empty()).unwrap_or_else(|| default.to_string());
+        let required_tag = match get("PGHYDRATE_REQUIRED_TAG").filter(|v| !v.trim().is_empty()) {
+            None => None,
+            Some(t) => match t.split_once('=') {
+                Some((k, v)) if !k.is_empty() => Some((k.to_string(), v.to_string())),
+                _ => return Err(Error::InvalidInput(format!("PGHYDRATE_REQUIRED_TAG={t:?} is not key=value"))),
+            },
+        };
+        let credentials = match get("PGHYDRATE_SECRET_ARN").filter(|v| !v.trim().is_empty()) {
+            Some(arn) => crate::events::Credentials::Secret { arn },
+            None => crate::events::Credentials::ManagedSecret,
+        };
+        let d = Defaults {
+            sessions: num(get, "PGHYDRATE_SESSIONS", 8)?,
+            mode: text("PGHYDRATE_MODE", "auto"),
+            maintenance: text("PGHYDRATE_MAINTENANCE", "analyze"),
+            range_blocks: num(get, "PGHYDRATE_RANGE_BLOCKS", crate::plan::DEFAULT_RANGE_BLOCKS)?,
+            item_blocks: num(get, "PGHYDRATE_ITEM_BLOCKS", 262_144)?,
+            item_ranges: num(get, "PGHYDRATE_ITEM_RANGES", 256)?,
+            instance_pattern: text("PGHYDRATE_INSTANCE_PATTERN", "*"),
+            required_tag,
+            credentials,
+            ready_poll_seconds: num(get, "PGHYDRATE_READY_POLL_SECONDS", 60)?,
+            storage_poll_seconds: num(get, "PGHYDRATE_STORAGE_POLL_SECONDS", 300)?,
+            ready_limit_minutes: num(get, "PGHYDRATE_READY_LIMIT_MINUTES", 240)?,
+            storage_limit_minutes: num(get, "PGHYDRATE_STORAGE_LIMIT_MINUTES", 2880)?,
+        };
+        // The same checks as a manual start's overrides.
+        let probe = crate::events::Overrides {
+            sessions: Some(d.sessions),
+            mode: Some(d.mode.clone()),
+            maintenance: Some(d.maintenance.clone()),
+            ..Default::default()
+        };
+        crate::events::parse_input(
+            &serde_json::json!({"instance": "defaults", "sessions": probe.sessions, "mode": probe.mode, "maintenance": probe.maintenance}),
+            None,
+            None,
+        )
+        .map_err(|e| Error::InvalidInput(format!("PGHYDRATE_* defaults: {e}")))?;
+        if d.range_blocks == 0 || d.item_blocks == 0 || d.item_ranges == 0 || d.ready_poll_seconds == 0 || d.storage_poll_seconds == 0 {
+            return Err(Error::InvalidInput("PGHYDRATE_* sizes and intervals must be positive".into()));
+        }
+        Ok(d)
+    }
+}
+
+/// The `run` object every state carries: what to do, fixed at the start. No secret.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RunConfig {
+    pub execution: String,
+    pub trigger: crate::events::Trigger,
+    pub sessions: u32,
+    pub mode: String,
+    pub maintenance: String,
+    pub range_blocks: u64,
+    pub item_blocks: u64,
+    pub item_ranges: usize,
+    pub include_databases: Vec<String>,
+    pub exclude_databases: Vec<String>,
+    pub include: Vec<String>,
+    pub exclude: Vec<String>,
+    pub first: Vec<String>,
+    pub credentials: crate::events::Credentials,
+    pub ready_poll_seconds: u32,
+    pub storage_poll_seconds: u32,
+    pub ready_limit_minutes: u32,
+    pub storage_limit_minutes: u32,
+}
+
+impl RunConfig {
+    /// The trigger's overrides over the defaults.
+    pub fn new(execution: &str, trigger: crate::events::Trigger, d: &Defaults) -> Self {
+        let o = trigger.overrides.clone();
+        RunConfig {
+            execution: execution.to_string(),
+            sessions: o.sessions.unwrap_or(d.sessions),
+            mode: o.mode.unwrap_or_else(|| d.mode.clone()),
+            maintenance: o.maintenance.unwrap_or_else(|| d.maintenance.clone()),
+            range_blocks: d.range_blocks,
+            item_blocks: d.item_blocks,
+            item_ranges: d.item_ranges,
+            include_databases: o.include_databases,
+            exclude_databases: o.exclude_databases,
+            include: o.include,
+            exclude: o.exclude,
+            first: o.first,
+            credentials: o.credentials.unwrap_or_else(|| d.credentials.clone()),
+            ready_poll_seconds: d.ready_poll_seconds,
+            storage_poll_seconds: d.storage_poll_seconds,
+            ready_limit_minutes: d.ready_limit_minutes,
+            storage_limit_minutes: d.storage_limit_minutes,
+            trigger,
+        }
+    }
+
+    pub fn plan_options(&self, lock_attempts: u32) -> Result<crate::catalog::PlanOptions> {
+        let pats = |v: &Vec<String>| v.iter().map(|p| crate::pattern::RelationPattern::parse(p)).collect::<Result<Vec<_>>>();
+        Ok(crate::catalog::PlanOptions {
+            include_databases: self.include_databases.clone(),
+            exclude_databases: self.exclude_databases.clone(),
+            include: pats(&self.include)?,
+            exclude: pats(&self.exclude)?,
+            first: pats(&self.first)?,
+            range_blocks: self.range_blocks,
+            create_extension: true,
+            dry_run: false,
+            lock_attempts,
+        })
+    }
+}
+
+/// One instance to hydrate, as Resolve found it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Target {
+    pub instance: String,
+    /// False for a Multi-AZ conversion (or poll_only): storage progress is only watched.
+    pub reads_blocks: bool,
+    pub sessions: u32,
+}
+
+/// Whether an instance qualifies under the configured filter; Err holds why not (the run then ends
+/// cleanly with that reason).
+pub fn qualifies(v: &InstanceView, d: &Defaults) -> std::result::Result<(), String> {
+    if v.engine != "postgres" {
+        return Err(format!("{} runs {:?}, not PostgreSQL", v.id, v.engine));
+    }
+    if !crate::pattern::glob(&d.instance_pattern, &v.id) {
+        return Err(format!("{} does not match PGHYDRATE_INSTANCE_PATTERN {:?}", v.id, d.instance_pattern));
+    }
+    if let Some((k, val)) = &d.required_tag {
+        if v.tags.get(k) != Some(val) {
+            return Err(format!("{} lacks the tag {k}={val}", v.id));
+        }
+    }
+    Ok(())
+}
+
+/// Where and as whom to connect, resolved by the describe call that saw the instance available.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Endpoint {
+    pub address: String,
+    pub port: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub master_secret_arn: Option<String>,
+}
+
+/// A connection spec for `endpoint` with `user`/`password`, TLS `tls` against `ca_file`, and the
+/// session timeouts. The password lives only in the returned value.
+pub fn endpoint_spec(
+    endpoint: &Endpoint,
+    user: &str,
+    password: &str,
+    tls: crate::connect::TlsMode,
+    ca_file: Option<std::path::PathBuf>,
+) -> Result<ConnectionSpec> {
+    let env = |k: &str| -> Option<String> {
+        match k {
+            "PGHOST" => Some(endpoint.address.clone()),
+            "PGPORT" => Some(endpoint.port.to_string()),
+            "PGUSER" => Some(user.to_string()),
+            "PGPASSWORD" => Some(password.to_string()),
+            "PGDATABASE" => Some("postgres".into()),
+            _ => None,
+        }
+    };
+    Ok(ConnectionSpec::parse(None, env)?.with_tls(tls, ca_file))
+}
+
+/// Warm options for one Lambda call that must return before `deadline`.
+pub fn call_options(sessions: u32, mode: Mode, deadline: Instant, margin: Duration) -> WarmOptions {
+    WarmOptions { sessions, mode, deadline: Some(deadline), margin, ..WarmOptions::default() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Fork, RelKind, ServerInfo};
+
+    fn view(status: &str, storage: Option<&str>, progress: Option<i32>) -> InstanceView {
+        InstanceView {
+            id: "db1".into(),
+            status: status.into(),
+            storage_status: storage.map(str::to_string),
+            storage_progress: progress,
+            ..InstanceView::default()
+        }
+    }
+
+    #[test]
+    fn readiness_and_storage_progress() {
+        assert_eq!(ready_state(&view("available", None, None)).0, "available");
+        assert_eq!(ready_state(&view("creating", None, None)).0, "waiting");
+        assert_eq!(ready_state(&view("backing-up", None, None)).0, "waiting");
+        for s in TERMINAL_STATES {
+            assert_eq!(ready_state(&view(s, None, None)).0, "failed", "{s}");
+        }
+        assert_eq!(storage_state(&view("available", Some("Initializing"), Some(37))), ("initializing", "db1: Initializing 37%".into(), Some(37)));
+        assert_eq!(storage_state(&view("available", None, None)).0, "initialized");
+        assert_eq!(storage_state(&view("deleting", Some("Initializing"), Some(3))).0, "failed");
+    }
+
+    #[test]
+    fn secrets_are_checked_without_quoting_them() {
+        assert_eq!(credentials_from_secret(r#"{"username":"u","password":"p4ss","engine":"postgres"}"#).unwrap(), ("u".into(), "p4ss".into()));
+        for (text, want) in [
+            ("p4ss-not-json", "not JSON"),
+            (r#"{"username":"u"}"#, "no \"password\""),
+            (r#"{"username":"u","password":7}"#, "not a non-empty string"),
+            (r#"{"password":"p4ss"}"#, "no \"username\""),
+        ] {
+            let e = credentials_from_secret(text).unwrap_err();
+            assert!(e.contains(want), "{e}");
+            assert!(!e.contains("p4ss"), "the error quotes the secret: {e}");
+        }
+    }
+
+    /// A synthetic plan of `relations` relations totalling `total_bytes`, skewed like real databases:
+    /// one relation holds most of the bytes.
+    fn synthetic_plan(databases: usize, relations: usize, total_bytes: u64, range_blocks: u64) -> Plan {
+        let bs = 8192u64;
+        let total_blocks = total_bytes / bs;
+        let big = total_blocks * 6 / 10;
+        let rest = (total_blocks - big) / (relations as u64 - 1);
+        let forks: Vec<ForkEntry> = (0..relations)
+            .map(|i| ForkEntry {
+                database: format!("db{}", i % databases),
+                schema: "public".into(),
+                name: format!("relation_with_a_realistic_name_{i}"),
+                oid: 16384 + i as u32,
+                kind: RelKind::Table,
+                fork: Fork::Main,
+                blocks: if i == 0 { big } else { rest },
+                table: format!("public.relation_with_a_realistic_name_{i}"),
+                owner: "app_owner".into(),
+                as_role: None,
+                owner_settable: false,
+                planned_skip: None,
+                excluded: false,
+            })
+            .collect();
+        let ranges = crate::plan::order_ranges(&forks, &[], range_blocks);
+        Plan {
+            format: 1,
+            created_at: String::new(),
+            server: ServerInfo {
+                version_num: 170000,
+                version: String::new(),
+                block_size: bs,
+                login_role: "hydrator".into(),
+                is_superuser: false,
+                max_connections: 100,
+                reserved_connections: 3,
+                connections_in_use: 1,
+            },
+            range_blocks,
+            databases: (0..databases)
+                .map(|d| DatabaseEntry {
+                    name: format!("db{d}"),
+                    outcome: "planned".into(),
+                    reason: None,
+                    prewarm_function: Some("public.pg_prewarm".into()),
+                    counts_against_coverage: true,
+                })
+                .collect(),
+            forks,
+            ranges,
+            plan_seconds: 0.0,
+        }
+    }
+
+    /// 10 TiB in 100,000 relations over 5 databases: every item stays under its size limit, every
+    /// planned block is in exactly one item, and the item count is what docs/workflow-limits.md uses.
+    #[test]
+    fn ten_tib_and_100k_relations_fit_the_state_limits() {
+        let plan = synthetic_plan(5, 100_000, 10 << 40, 8192);
+        let items = work_items(&plan, 262_144, 256).unwrap();
+        let planned: u64 = plan.ranges.iter().map(BlockRange::blocks).sum();
+        let in_items: u64 = items.iter().flat_map(|i| &i.pending).map(BlockRange::blocks).sum();
+        assert_eq!(planned, in_items);
+        let largest = items.iter().map(|i| serde_json::to_vec(i).unwrap().len()).max().unwrap();
+        assert!(largest <= ITEM_LIMIT_BYTES, "largest item {largest} bytes");
+        assert!(items.len() > INLINE_ITEMS_LIMIT, "a plan this size goes through S3");
+        assert!(items.len() < 10_000, "{} items: more than a Distributed Map's children", items.len());
+        eprintln!("10 TiB / 100k relations: {} items, largest {largest} bytes", items.len());
+    }
+
+    #[test]
+    fn items_never_mix_databases_and_keep_every_range_once() {
+        let plan = synthetic_plan(3, 500, 2 << 30, 128);
+        let items = work_items(&plan, 4096, 16).unwrap();
+        let mut seen = std::collections::BTreeSet::new();
+        for item in &items {
+            assert!(item.pending.len() <= 16);
+            for r in &item.pending {
+                let f = &item.forks[r.fork as usize];
+                assert_eq!(f.database, item.database);
+                assert!(seen.insert((f.database.clone(), f.oid, r.first)), "range twice");
+            }
+        }
+        assert_eq!(seen.len(), plan.ranges.len());
+    }
+}
