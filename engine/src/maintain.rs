@@ -55,22 +55,6 @@ pub struct MaintainOptions {
 /// planned databases that are not in system schemas and not excluded by the plan's patterns.
 pub async fn targets(spec: &ConnectionSpec, plan: &Plan) -> Result<Vec<MaintenanceTarget>> {
     let mut out = Vec::new();
-    let maintain_priv = if plan.server.major() >= 17 {
-        "pg_catalog.has_table_privilege(c.oid, 'MAINTAIN')"
-    } else {
-        "(pg_catalog.pg_has_role(c.relowner, 'USAGE') OR pg_catalog.pg_has_role(d.datdba, 'USAGE')
-          OR (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user))"
-    };
-    let sql = format!(
-        "SELECT c.oid, (n.nspname || '.' || c.relname)::text, format('%I.%I', n.nspname, c.relname),
-                c.relkind = 'p', {maintain_priv}
-           FROM pg_catalog.pg_class c
-           JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-           JOIN pg_catalog.pg_database d ON d.datname = current_database()
-          WHERE c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'
-            AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_toast%'
-          ORDER BY c.oid"
-    );
     for db in plan.databases.iter().filter(|d| d.outcome == "planned") {
         // Tables whose main fork the plan excludes are not maintained either.
         let excluded: std::collections::HashSet<u32> =
@@ -82,6 +66,12 @@ pub async fn targets(spec: &ConnectionSpec, plan: &Plan) -> Result<Vec<Maintenan
                 continue;
             }
         };
+        let version: i32 = client
+            .query_one("SELECT current_setting('server_version_num')::int4", &[])
+            .await
+            .map_err(|e| Error::query("reading server_version_num", e))?
+            .get(0);
+        let sql = targets_sql(version >= 170000);
         let rows = client.query(&sql, &[]).await.map_err(|e| Error::query("listing tables to maintain", e))?;
         for r in rows {
             let oid: u32 = r.get(0);
@@ -99,6 +89,25 @@ pub async fn targets(spec: &ConnectionSpec, plan: &Plan) -> Result<Vec<Maintenan
         }
     }
     Ok(out)
+}
+
+fn targets_sql(has_maintain_privilege: bool) -> String {
+    let maintain_priv = if has_maintain_privilege {
+        "pg_catalog.has_table_privilege(c.oid, 'MAINTAIN')"
+    } else {
+        "(pg_catalog.pg_has_role(c.relowner, 'USAGE') OR pg_catalog.pg_has_role(d.datdba, 'USAGE')
+          OR (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user))"
+    };
+    format!(
+        "SELECT c.oid, (n.nspname || '.' || c.relname)::text, format('%I.%I', n.nspname, c.relname),
+                c.relkind = 'p', {maintain_priv}
+           FROM pg_catalog.pg_class c
+           JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+           JOIN pg_catalog.pg_database d ON d.datname = current_database()
+          WHERE c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'
+            AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_toast%'
+          ORDER BY c.oid"
+    )
 }
 
 /// Maintains `targets` in order, one session per database. Returns results and the targets left when

@@ -28,6 +28,8 @@ pub struct WorkItem {
     pub id: u32,
     pub database: String,
     pub prewarm_function: String,
+    /// The pg_prewarm mode, resolved for the server when planning.
+    pub mode: Mode,
     pub block_size: u64,
     pub forks: Vec<ForkEntry>,
     /// Ranges still to read.
@@ -66,6 +68,7 @@ pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec
                     id: items.len() as u32,
                     database: db.clone(),
                     prewarm_function: function,
+                    mode: Mode::auto(&plan.server),
                     block_size: plan.server.block_size,
                     forks: Vec::new(),
                     pending: Vec::new(),
@@ -113,7 +116,8 @@ impl WorkItem {
         }
         let plan = Arc::new(self.as_plan());
         let ranges = std::mem::take(&mut self.pending);
-        let (outcomes, pending) = warm::warm(spec, plan, ranges, opts, Arc::new(Counters::default())).await?;
+        let opts = WarmOptions { mode: self.mode, ..opts.clone() };
+        let (outcomes, pending) = warm::warm(spec, plan, ranges, &opts, Arc::new(Counters::default())).await?;
         self.absorb(&outcomes);
         self.pending = pending;
         Ok(())
@@ -427,9 +431,103 @@ pub fn endpoint_spec(
     Ok(ConnectionSpec::parse(None, env)?.with_tls(tls, ca_file))
 }
 
+/// What the Plan state reports (the plan itself is cut into items).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PlanSummary {
+    pub server_version: String,
+    pub mode: String,
+    pub databases: Vec<crate::report::DatabaseReport>,
+    pub forks: usize,
+    pub total_bytes: u64,
+    pub planned_bytes: u64,
+    /// Forks skipped at planning time (permission, no extension, locked), at most 50 listed.
+    pub planned_skips: Vec<String>,
+    pub planned_skip_count: usize,
+    pub planned_skip_bytes: u64,
+    pub items: usize,
+}
+
+/// Plans for the workflow: the items and their summary.
+pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanSummary, Vec<WorkItem>)> {
+    let plan = crate::catalog::make_plan(spec, &run.plan_options(3)?).await?;
+    let mut items = work_items(&plan, run.item_blocks, run.item_ranges)?;
+    let bs = plan.server.block_size;
+    let live: Vec<&ForkEntry> = plan.forks.iter().filter(|f| !f.excluded).collect();
+    let skipped: Vec<&&ForkEntry> = live.iter().filter(|f| f.planned_skip.is_some()).collect();
+    let mode = match run.mode.as_str() {
+        "auto" => Mode::auto(&plan.server),
+        "buffer" => Mode::Buffer,
+        "prefetch" => Mode::Prefetch,
+        _ => Mode::Read,
+    };
+    for item in &mut items {
+        item.mode = mode;
+    }
+    let summary = PlanSummary {
+        server_version: plan.server.version.split(" on ").next().unwrap_or("").to_string(),
+        mode: mode.as_str().into(),
+        databases: plan
+            .databases
+            .iter()
+            .map(|d| crate::report::DatabaseReport { name: d.name.clone(), outcome: d.outcome.clone(), reason: d.reason.clone() })
+            .collect(),
+        forks: live.len(),
+        total_bytes: live.iter().map(|f| f.blocks * bs).sum(),
+        planned_bytes: plan.planned_blocks() * bs,
+        planned_skips: skipped
+            .iter()
+            .take(50)
+            .map(|f| {
+                let sk = f.planned_skip.as_ref().unwrap();
+                format!("{}: {}.{} ({}): {}", f.database, f.schema, f.name, f.fork.as_str(), sk.detail)
+            })
+            .collect(),
+        planned_skip_count: skipped.len(),
+        planned_skip_bytes: skipped.iter().map(|f| f.blocks * bs).sum(),
+        items: items.len(),
+    };
+    Ok((summary, items))
+}
+
+/// What one warm call reports about its item.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ItemSummary {
+    pub id: u32,
+    pub database: String,
+    pub warmed_bytes: u64,
+    pub vanished_bytes: u64,
+    pub skipped_bytes: u64,
+    pub pending_bytes: u64,
+    pub calls: u32,
+    pub skipped: Vec<String>,
+}
+
+impl WorkItem {
+    pub fn summary(&self) -> ItemSummary {
+        let bs = self.block_size;
+        ItemSummary {
+            id: self.id,
+            database: self.database.clone(),
+            warmed_bytes: self.done.warmed_blocks * bs,
+            vanished_bytes: self.done.vanished_blocks * bs,
+            skipped_bytes: self.done.skipped_blocks * bs,
+            pending_bytes: self.pending.iter().map(BlockRange::blocks).sum::<u64>() * bs,
+            calls: self.calls,
+            skipped: self
+                .skipped
+                .iter()
+                .map(|(i, why)| {
+                    let f = &self.forks[*i as usize];
+                    format!("{}.{} ({}): {why}", f.schema, f.name, f.fork.as_str())
+                })
+                .collect(),
+        }
+    }
+}
+
 /// Warm options for one Lambda call that must return before `deadline`.
-pub fn call_options(sessions: u32, mode: Mode, deadline: Instant, margin: Duration) -> WarmOptions {
-    WarmOptions { sessions, mode, deadline: Some(deadline), margin, ..WarmOptions::default() }
+pub fn call_options(deadline: Instant, margin: Duration) -> WarmOptions {
+    WarmOptions { sessions: 1, deadline: Some(deadline), margin, ..WarmOptions::default() }
 }
 
 #[cfg(test)]

@@ -1,0 +1,129 @@
+//! What every pghydrate Lambda shares: JSON tracing, engine errors as named Lambda errors (the names
+//! the state machine's Retry/Catch match), AWS clients built once, typed configuration read once, and
+//! database connections whose credentials never leave the function.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use lambda_runtime::{Context, Diagnostic};
+use pghydrate::events::Credentials;
+use pghydrate::workflow::{endpoint_spec, Endpoint, RunConfig};
+use pghydrate::{ConnectionSpec, Error, TlsMode};
+
+/// An engine error on its way out of a handler: its name becomes the Lambda error type.
+#[derive(Debug)]
+pub struct Failure(pub Error);
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure(e)
+    }
+}
+
+impl From<Failure> for Diagnostic {
+    fn from(f: Failure) -> Diagnostic {
+        tracing::error!(error_type = f.0.name(), error = %f.0, "failed");
+        Diagnostic { error_type: f.0.name().to_string(), error_message: f.0.to_string() }
+    }
+}
+
+/// JSON logs (CloudWatch), level from RUST_LOG (default info).
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_ansi(false)
+        .with_current_span(false)
+        .without_time()
+        .init();
+}
+
+/// The AWS clients the functions use, built once per container.
+#[derive(Clone)]
+pub struct Aws {
+    pub rds: aws_sdk_rds::Client,
+    pub secrets: aws_sdk_secretsmanager::Client,
+    pub s3: aws_sdk_s3::Client,
+}
+
+impl Aws {
+    pub async fn from_env() -> Aws {
+        let config = aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await;
+        Aws {
+            rds: aws_sdk_rds::Client::new(&config),
+            secrets: aws_sdk_secretsmanager::Client::new(&config),
+            s3: aws_sdk_s3::Client::new(&config),
+        }
+    }
+}
+
+/// How the database-facing functions connect, from their environment:
+/// PGHYDRATE_TLS (default verify-full), PGHYDRATE_CA_BUNDLE (the RDS CA bundle, PEM),
+/// PGHYDRATE_MARGIN_SECONDS (stop this long before the Lambda deadline, default 60),
+/// PGHYDRATE_LOCK_TIMEOUT_SECONDS (default 5).
+#[derive(Debug, Clone)]
+pub struct DbConfig {
+    pub tls: TlsMode,
+    pub ca_file: Option<PathBuf>,
+    pub margin: Duration,
+    pub lock_timeout: Duration,
+}
+
+impl DbConfig {
+    pub fn from_env() -> Result<DbConfig, Error> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let secs = |k: &str, d: u64| -> Result<Duration, Error> {
+            match var(k) {
+                None => Ok(Duration::from_secs(d)),
+                Some(v) => v
+                    .parse::<u64>()
+                    .map(Duration::from_secs)
+                    .map_err(|_| Error::InvalidInput(format!("{k}={v:?} is not a number of seconds"))),
+            }
+        };
+        let tls: TlsMode = var("PGHYDRATE_TLS").as_deref().unwrap_or("verify-full").parse()?;
+        if tls == TlsMode::Disable || tls == TlsMode::Prefer || tls == TlsMode::Require {
+            tracing::warn!(tls = tls.as_str(), "PGHYDRATE_TLS is weaker than verify-full: the server's certificate is not checked");
+        }
+        Ok(DbConfig {
+            tls,
+            ca_file: var("PGHYDRATE_CA_BUNDLE").map(PathBuf::from),
+            margin: secs("PGHYDRATE_MARGIN_SECONDS", 60)?,
+            lock_timeout: secs("PGHYDRATE_LOCK_TIMEOUT_SECONDS", 5)?,
+        })
+    }
+
+    /// Credentials from the run's source, then a connection spec to the endpoint.
+    pub async fn connect_spec(&self, aws: &Aws, run: &RunConfig, endpoint: &Endpoint) -> Result<ConnectionSpec, Error> {
+        let arn = match &run.credentials {
+            Credentials::Secret { arn } => arn.clone(),
+            Credentials::ManagedSecret => endpoint.master_secret_arn.clone().ok_or_else(|| {
+                Error::InvalidInput(
+                    "the instance has no RDS-managed master secret: give credentials {\"type\": \"secret\", \"arn\": ...}".into(),
+                )
+            })?,
+            Credentials::Iam { .. } => {
+                return Err(Error::InvalidInput("IAM database authentication is not supported yet: use a secret".into()))
+            }
+        };
+        let (user, password) = pghydrate::aws::secret_credentials(&aws.secrets, &arn).await?;
+        Ok(endpoint_spec(endpoint, &user, &password, self.tls, self.ca_file.clone())?
+            .with_timeouts(self.lock_timeout, Duration::from_secs(300))
+            .with_application_name(format!("pghydrate {}", run.execution)))
+    }
+}
+
+/// The instant this invocation must have returned by (Context::deadline is ms since the epoch).
+pub fn deadline(ctx: &Context) -> Instant {
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    Instant::now() + Duration::from_millis(ctx.deadline.saturating_sub(now_ms))
+}
+
+/// Minutes since an RFC 3339 time such as `$$.Execution.StartTime`.
+pub fn minutes_since(rfc3339: &str) -> Result<f64, Error> {
+    let t = humantime::parse_rfc3339_weak(rfc3339.trim_end_matches('Z'))
+        .map_err(|e| Error::InvalidInput(format!("started: {rfc3339:?} is not an RFC 3339 time: {e}")))?;
+    Ok(SystemTime::now().duration_since(t).unwrap_or_default().as_secs_f64() / 60.0)
+}
