@@ -49,10 +49,13 @@ pub struct ItemTotals {
     pub skipped_blocks: u64,
 }
 
-/// Cuts a plan into work items of at most `max_blocks` blocks and `max_ranges` ranges each (one
-/// database per item), keeping the plan's reading order across items.
+/// Cuts a plan into work items of at most `max_blocks` blocks, `max_ranges` ranges and
+/// [`ITEM_LIMIT_BYTES`] serialized (one database per item), keeping the plan's reading order.
 pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec<WorkItem>> {
+    // Serialized size of an empty item, plus what each fork and range adds (plus a separator).
+    let json_len = |v: &dyn erased::Ser| v.len() + 1;
     let mut items: Vec<WorkItem> = Vec::new();
+    let mut sizes: Vec<usize> = Vec::new();
     let mut open: BTreeMap<String, usize> = BTreeMap::new();
     for r in &plan.ranges {
         let fork = plan.fork(r);
@@ -61,10 +64,18 @@ pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec
             .prewarm_function(db)
             .ok_or_else(|| Error::InvalidInput(format!("database {db:?} has ranges but no pg_prewarm")))?
             .to_string();
+        let fork_cost = json_len(fork);
+        let range_cost = json_len(r) + 8;
+        let fits = |i: usize, items: &Vec<WorkItem>, sizes: &Vec<usize>| {
+            let known = items[i].forks.iter().any(|f| f.oid == fork.oid && f.fork == fork.fork);
+            items[i].pending.len() < max_ranges
+                && blocks(&items[i]) + r.blocks() <= max_blocks.max(r.blocks())
+                && sizes[i] + range_cost + if known { 0 } else { fork_cost } <= ITEM_LIMIT_BYTES
+        };
         let idx = match open.get(db) {
-            Some(&i) if items[i].pending.len() < max_ranges && blocks(&items[i]) + r.blocks() <= max_blocks.max(r.blocks()) => i,
+            Some(&i) if fits(i, &items, &sizes) => i,
             _ => {
-                items.push(WorkItem {
+                let item = WorkItem {
                     id: items.len() as u32,
                     database: db.clone(),
                     prewarm_function: function,
@@ -75,7 +86,9 @@ pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec
                     done: ItemTotals::default(),
                     skipped: BTreeMap::new(),
                     calls: 0,
-                });
+                };
+                sizes.push(json_len(&item) + 64);
+                items.push(item);
                 open.insert(db.clone(), items.len() - 1);
                 items.len() - 1
             }
@@ -85,21 +98,35 @@ pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec
             Some(i) => i,
             None => {
                 item.forks.push(fork.clone());
+                sizes[idx] += fork_cost;
                 item.forks.len() - 1
             }
         } as u32;
         item.pending.push(BlockRange { fork: local, ..*r });
+        sizes[idx] += range_cost;
     }
     for item in &items {
         let size = serde_json::to_vec(item).expect("serializes").len();
         if size > ITEM_LIMIT_BYTES {
             return Err(Error::InvalidInput(format!(
-                "work item {} serializes to {size} bytes (limit {ITEM_LIMIT_BYTES}): lower max_ranges",
+                "work item {} serializes to {size} bytes (limit {ITEM_LIMIT_BYTES}): a single relation entry is too large",
                 item.id
             )));
         }
     }
     Ok(items)
+}
+
+/// Serialized length of any serializable value (a tiny type-erasure for the size estimate above).
+mod erased {
+    pub trait Ser {
+        fn len(&self) -> usize;
+    }
+    impl<T: serde::Serialize> Ser for T {
+        fn len(&self) -> usize {
+            serde_json::to_vec(self).map(|v| v.len()).unwrap_or(0)
+        }
+    }
 }
 
 fn blocks(item: &WorkItem) -> u64 {
@@ -638,6 +665,11 @@ mod tests {
         assert_eq!(planned, in_items);
         let largest = items.iter().map(|i| serde_json::to_vec(i).unwrap().len()).max().unwrap();
         assert!(largest <= ITEM_LIMIT_BYTES, "largest item {largest} bytes");
+        // Many tiny ranges are split by size, not refused.
+        let fine = synthetic_plan(1, 2_000, 1 << 30, 1);
+        let items = work_items(&fine, u64::MAX, usize::MAX).unwrap();
+        assert!(items.len() > 1);
+        assert!(items.iter().all(|i| serde_json::to_vec(i).unwrap().len() <= ITEM_LIMIT_BYTES));
         assert!(items.len() > INLINE_ITEMS_LIMIT, "a plan this size goes through S3");
         assert!(items.len() < 10_000, "{} items: more than a Distributed Map's children", items.len());
         eprintln!("10 TiB / 100k relations: {} items, largest {largest} bytes", items.len());

@@ -614,6 +614,78 @@ async fn patterns_choose_what_is_read_and_when() {
     assert!(r.maintenance.iter().all(|m| m.table != "public.documents"), "excluded tables are not maintained");
 }
 
+/// The workflow path: the plan cut into items, each item warmed by "Lambda calls" with a deadline and a
+/// JSON round trip between calls, until done. The first call is held up by a locked table until its
+/// deadline, so it must hand back a continuation; in the end every planned block is read exactly once
+/// and all of them are in shared_buffers.
+async fn workflow_items_continue_until_done(major: u32) {
+    use pghydrate::workflow::{call_options, plan_items, Defaults, RunConfig, WorkItem, ITEM_LIMIT_BYTES};
+    let cluster = Cluster::start(major, &[]);
+    cluster.load_sample("app", 1, None).await;
+    cluster.client("app").await.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
+    cluster.restart();
+    let spec = cluster.superuser_spec().with_timeouts(Duration::from_secs(60), Duration::from_secs(300));
+    let trigger = pghydrate::events::parse_input(
+        &serde_json::json!({"instance": "local", "mode": "buffer", "include_databases": ["app"], "first": ["tiny", "customers"]}),
+        None,
+        None,
+    )
+    .unwrap();
+    let mut defaults = Defaults::from_env(|_| None).unwrap();
+    defaults.range_blocks = 16;
+    let run = RunConfig::new("exec-1", trigger, &defaults);
+    let (summary, items) = plan_items(&spec, &run).await.unwrap();
+    assert_eq!(summary.items, items.len());
+    assert_eq!(summary.mode, "buffer");
+    assert_eq!(items[0].forks[items[0].pending[0].fork as usize].name, "tiny");
+
+    let locker = cluster.client("app").await;
+    locker.batch_execute("BEGIN; LOCK TABLE customers IN ACCESS EXCLUSIVE MODE").await.unwrap();
+    let mut warmed = 0;
+    let mut first_call = true;
+    for item in items {
+        let mut text = serde_json::to_string(&item).unwrap();
+        assert!(text.len() <= ITEM_LIMIT_BYTES, "item of {} bytes", text.len());
+        loop {
+            let mut item: WorkItem = serde_json::from_str(&text).unwrap();
+            let mut opts = call_options(Instant::now() + Duration::from_secs(3), Duration::from_secs(1));
+            opts.lock_timeout = Duration::from_secs(60);
+            item.advance(&spec, &opts).await.unwrap();
+            text = serde_json::to_string(&item).unwrap();
+            if first_call {
+                first_call = false;
+                assert!(!item.done(), "the first call stopped at its deadline");
+                let s = item.summary();
+                assert!(s.warmed_bytes > 0 && s.pending_bytes > 0, "{s:?}");
+                locker.batch_execute("COMMIT").await.unwrap();
+                continue;
+            }
+            if item.done() {
+                let s = item.summary();
+                assert_eq!((s.skipped_bytes, s.vanished_bytes, s.pending_bytes), (0, 0, 0), "{s:?}");
+                warmed += s.warmed_bytes;
+                break;
+            }
+            assert!(item.calls < 20, "no progress");
+        }
+    }
+    assert_eq!(warmed, summary.planned_bytes, "every planned byte warmed exactly once");
+    assert_eq!(summary.planned_bytes, summary.total_bytes);
+    // And the blocks really are in shared buffers.
+    let mut o = plan_opts(1024);
+    o.include_databases = vec!["app".into()];
+    let plan = make_plan(&spec, &o).await.unwrap();
+    let mut st = RunState::new(plan, Mode::Buffer, 1, Maintenance::None);
+    st.outcomes = st
+        .plan
+        .ranges
+        .iter()
+        .map(|r| pghydrate::warm::RangeOutcome { range: *r, result: RangeResult::Warmed { blocks: r.blocks(), seconds: 0.0 } })
+        .collect();
+    st.pending.clear();
+    assert_all_blocks_buffered(&cluster, &report::build(&st)).await;
+}
+
 macro_rules! per_version {
     ($($test:ident),*) => {
         $(
@@ -637,5 +709,6 @@ per_version!(
     dropped_and_truncated_during_the_run,
     continuation_covers_exactly_the_rest,
     locked_while_planning_is_reported_not_waited_for,
-    lost_sessions_and_restarts_are_survived
+    lost_sessions_and_restarts_are_survived,
+    workflow_items_continue_until_done
 );
