@@ -7,7 +7,7 @@ export CARGO_TARGET_DIR ?= $(PGHYDRATE_HOME)/target
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: setup build demo test unit clean-demo
+.PHONY: setup build demo test unit check-infra bench-modes clean-demo
 
 setup:
 	bash scripts/setup.sh
@@ -22,6 +22,7 @@ demo: setup
 
 ## Every test: unit tests, property tests, and the real-server tests on PostgreSQL 15, 16, 17, 18.
 test: setup
+	bash scripts/check-infra.sh
 	$(CARGO) build --locked -p pghydrate-cli
 	set -o pipefail; $(CARGO) test --workspace --locked 2>&1 | tee $(PGHYDRATE_HOME)/test.log
 	@awk '/^test result:/ { p += $$4; f += $$6 } END { printf "%d passed, %d failed\n", p, f }' $(PGHYDRATE_HOME)/test.log
@@ -31,3 +32,12 @@ unit:
 
 clean-demo:
 	rm -rf $(PGHYDRATE_HOME)/demo
+
+## The state machine and SAM template, validated offline (asl-validator, cfn-lint).
+check-infra:
+	bash scripts/check-infra.sh
+
+## Mode and range-size measurements behind docs/tuning.md (needs root: loop device, cgroup).
+bench-modes:
+	$(CARGO) build --release --locked -p pghydrate-cli
+	bash scripts/bench-modes.sh

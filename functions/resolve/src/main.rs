@@ -84,6 +84,41 @@ async fn main() -> Result<(), lambda_runtime::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lambda_runtime::Context;
+
+    fn deps() -> Deps {
+        Deps { aws: Aws::offline("us-east-1", "http://127.0.0.1:9"), defaults: Defaults::from_env(|_| None).unwrap() }
+    }
+
+    fn event(input: Value) -> LambdaEvent<Request> {
+        let mut ctx = Context::default();
+        ctx.invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:pghydrate-resolve".into();
+        LambdaEvent::new(Request { input, execution: "exec-1".into() }, ctx)
+    }
+
+    fn fixture(name: &str) -> Value {
+        let path = format!("{}/../../tests/fixtures/events/{name}.json", env!("CARGO_MANIFEST_DIR"));
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_rds_event_that_is_not_a_trigger_ends_cleanly() {
+        let out = handler(&deps(), event(fixture("failover-0049"))).await.unwrap();
+        assert_eq!(out.targets, vec![]);
+        assert!(out.skipped.unwrap().contains("RDS-EVENT-0049"));
+    }
+
+    #[tokio::test]
+    async fn malformed_and_foreign_input_fails_with_invalid_input() {
+        let mut foreign = fixture("snapshot-restore-0043");
+        foreign["account"] = serde_json::json!("999999999999");
+        foreign["detail"]["SourceArn"] = serde_json::json!("arn:aws:rds:us-east-1:999999999999:db:orders-restored");
+        for input in [foreign, serde_json::json!({"instance": "db1", "sesions": 2}), serde_json::json!("text")] {
+            let err = handler(&deps(), event(input.clone())).await.unwrap_err();
+            let d = Diagnostic::from(err);
+            assert_eq!(d.error_type, "InvalidInput", "{input}");
+        }
+    }
 
     #[test]
     fn account_and_region_come_from_the_function_arn() {

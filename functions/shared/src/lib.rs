@@ -51,10 +51,25 @@ pub struct Aws {
 impl Aws {
     pub async fn from_env() -> Aws {
         let config = aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await;
+        Aws::from_config(&config)
+    }
+
+    /// Clients for a fixed region and endpoint, without credentials lookups (handler unit tests, where
+    /// the paths under test make no call; any call that happens fails fast).
+    pub fn offline(region: &'static str, endpoint: &str) -> Aws {
+        let config = aws_config::SdkConfig::builder()
+            .region(aws_config::Region::from_static(region))
+            .endpoint_url(endpoint)
+            .behavior_version(aws_config::BehaviorVersion::latest())
+            .build();
+        Aws::from_config(&config)
+    }
+
+    fn from_config(config: &aws_config::SdkConfig) -> Aws {
         Aws {
-            rds: aws_sdk_rds::Client::new(&config),
-            secrets: aws_sdk_secretsmanager::Client::new(&config),
-            s3: aws_sdk_s3::Client::new(&config),
+            rds: aws_sdk_rds::Client::new(config),
+            secrets: aws_sdk_secretsmanager::Client::new(config),
+            s3: aws_sdk_s3::Client::new(config),
         }
     }
 }
