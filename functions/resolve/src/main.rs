@@ -3,7 +3,7 @@
 
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
 use pghydrate::events::{parse_input, InputError, TriggerKind};
-use pghydrate::workflow::{qualifies, Defaults, RunConfig, Target};
+use pghydrate::workflow::{owner_elsewhere, qualifies, Defaults, Running, RunConfig, Target};
 use pghydrate::Error;
 use pghydrate_lambda::{init_tracing, Aws, Failure};
 use serde::{Deserialize, Serialize};
@@ -13,6 +13,11 @@ use serde_json::Value;
 struct Request {
     input: Value,
     execution: String,
+    /// $$.Execution.Id and $$.Execution.StartTime: to find other runs for the same instance.
+    #[serde(default)]
+    execution_arn: Option<String>,
+    #[serde(default)]
+    started: Option<String>,
 }
 
 #[derive(Serialize, Debug, PartialEq)]
@@ -24,6 +29,7 @@ struct Response {
 
 struct Deps {
     aws: Aws,
+    sfn: aws_sdk_sfn::Client,
     defaults: Defaults,
 }
 
@@ -66,6 +72,24 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
             Err(why) => reasons.push(why),
         }
     }
+    if let (Some(arn), Some(started)) = (&event.payload.execution_arn, &event.payload.started) {
+        let me = Running {
+            name: event.payload.execution.clone(),
+            started_ms: pghydrate_lambda::epoch_ms(started)?,
+            subjects: ids_of(&trigger, &targets),
+        };
+        let others = running_executions(&deps.sfn, arn, account.as_deref(), region.as_deref()).await?;
+        targets.retain(|t| {
+            let subject = trigger.deployment.clone().unwrap_or_else(|| t.instance.clone());
+            match owner_elsewhere(&me, &others, &subject) {
+                Some(owner) => {
+                    reasons.push(format!("{subject} is already being hydrated by execution {owner}"));
+                    false
+                }
+                None => true,
+            }
+        });
+    }
     if targets.is_empty() {
         return skipped(reasons.join("; "));
     }
@@ -73,11 +97,63 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     Ok(Response { run: Some(run_config), targets, skipped: None })
 }
 
+/// What an execution hydrates: the Blue/Green deployment, else its instances.
+fn ids_of(trigger: &pghydrate::events::Trigger, targets: &[Target]) -> Vec<String> {
+    match &trigger.deployment {
+        Some(d) => vec![d.clone()],
+        None => targets.iter().map(|t| t.instance.clone()).collect(),
+    }
+}
+
+/// The state machine's other running executions and what their inputs name. Inputs that do not
+/// parse name nothing (they will fail on their own).
+async fn running_executions(
+    sfn: &aws_sdk_sfn::Client,
+    execution_arn: &str,
+    account: Option<&str>,
+    region: Option<&str>,
+) -> Result<Vec<Running>, Error> {
+    use aws_sdk_sfn::types::ExecutionStatus;
+    let aws_err = |ctx: &str, e: String| Error::Aws { context: ctx.into(), reason: e.clone(), throttled: e.contains("Throttl") };
+    // arn:aws:states:REGION:ACCOUNT:execution:MACHINE:NAME -> arn:aws:states:REGION:ACCOUNT:stateMachine:MACHINE
+    let parts: Vec<&str> = execution_arn.split(':').collect();
+    if parts.len() < 8 || parts[5] != "execution" {
+        return Err(Error::InvalidInput(format!("execution_arn {execution_arn:?} is not an execution ARN")));
+    }
+    let machine = format!("{}:stateMachine:{}", parts[..5].join(":"), parts[6]);
+    let mut out = Vec::new();
+    let mut pages = sfn
+        .list_executions()
+        .state_machine_arn(&machine)
+        .status_filter(ExecutionStatus::Running)
+        .into_paginator()
+        .items()
+        .send();
+    while let Some(item) = pages.next().await {
+        let item = item.map_err(|e| aws_err("ListExecutions", format!("{}", aws_sdk_sfn::error::DisplayErrorContext(e))))?;
+        let described = sfn
+            .describe_execution()
+            .execution_arn(item.execution_arn())
+            .send()
+            .await
+            .map_err(|e| aws_err("DescribeExecution", format!("{}", aws_sdk_sfn::error::DisplayErrorContext(e))))?;
+        let input: Value = described.input().and_then(|i| serde_json::from_str(i).ok()).unwrap_or(Value::Null);
+        let subjects = match parse_input(&input, account, region) {
+            Ok(t) => t.deployment.or(t.instance).into_iter().collect(),
+            Err(_) => vec![],
+        };
+        let started_ms = described.start_date().to_millis().unwrap_or(i64::MAX).max(0) as u64;
+        out.push(Running { name: item.name().to_string(), started_ms, subjects });
+    }
+    Ok(out)
+}
+
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
     init_tracing();
     let defaults = Defaults::from_env(|k| std::env::var(k).ok()).map_err(|e| Box::new(e) as lambda_runtime::Error)?;
-    let deps = Deps { aws: Aws::from_env().await, defaults };
+    let aws = Aws::from_env().await;
+    let deps = Deps { sfn: aws_sdk_sfn::Client::new(&aws.sdk), aws, defaults };
     run(service_fn(|e| async { handler(&deps, e).await.map_err(Diagnostic::from) })).await
 }
 
@@ -87,13 +163,14 @@ mod tests {
     use lambda_runtime::Context;
 
     fn deps() -> Deps {
-        Deps { aws: Aws::offline("us-east-1", "http://127.0.0.1:9"), defaults: Defaults::from_env(|_| None).unwrap() }
+        let aws = Aws::offline("us-east-1", "http://127.0.0.1:9");
+        Deps { sfn: aws_sdk_sfn::Client::new(&aws.sdk), aws, defaults: Defaults::from_env(|_| None).unwrap() }
     }
 
     fn event(input: Value) -> LambdaEvent<Request> {
         let mut ctx = Context::default();
         ctx.invoked_function_arn = "arn:aws:lambda:us-east-1:123456789012:function:pghydrate-resolve".into();
-        LambdaEvent::new(Request { input, execution: "exec-1".into() }, ctx)
+        LambdaEvent::new(Request { input, execution: "exec-1".into(), execution_arn: None, started: None }, ctx)
     }
 
     fn fixture(name: &str) -> Value {

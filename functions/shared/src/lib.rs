@@ -43,6 +43,7 @@ pub fn init_tracing() {
 /// The AWS clients the functions use, built once per container.
 #[derive(Clone)]
 pub struct Aws {
+    pub sdk: aws_config::SdkConfig,
     pub rds: aws_sdk_rds::Client,
     pub secrets: aws_sdk_secretsmanager::Client,
     pub s3: aws_sdk_s3::Client,
@@ -67,6 +68,7 @@ impl Aws {
 
     fn from_config(config: &aws_config::SdkConfig) -> Aws {
         Aws {
+            sdk: config.clone(),
             rds: aws_sdk_rds::Client::new(config),
             secrets: aws_sdk_secretsmanager::Client::new(config),
             s3: aws_sdk_s3::Client::new(config),
@@ -119,8 +121,14 @@ impl DbConfig {
                     "the instance has no RDS-managed master secret: give credentials {\"type\": \"secret\", \"arn\": ...}".into(),
                 )
             })?,
-            Credentials::Iam { .. } => {
-                return Err(Error::InvalidInput("IAM database authentication is not supported yet: use a secret".into()))
+            Credentials::Iam { user } => {
+                if self.tls == TlsMode::Disable {
+                    return Err(Error::InvalidInput("IAM database authentication needs TLS (PGHYDRATE_TLS)".into()));
+                }
+                let token = iam_token(aws, endpoint, user).await?;
+                return Ok(endpoint_spec(endpoint, user, &token, self.tls, self.ca_file.clone())?
+                    .with_timeouts(self.lock_timeout, Duration::from_secs(300))
+                    .with_application_name(format!("pghydrate {}", run.execution)));
             }
         };
         let (user, password) = pghydrate::aws::secret_credentials(&aws.secrets, &arn).await?;
@@ -130,15 +138,52 @@ impl DbConfig {
     }
 }
 
+/// An IAM database authentication token for `user` at `endpoint`, signed locally (no network call;
+/// valid 15 minutes, longer than any Lambda invocation). It is a password: never logged.
+async fn iam_token(aws: &Aws, endpoint: &Endpoint, user: &str) -> Result<String, Error> {
+    use aws_sdk_rds::auth_token::{AuthTokenGenerator, Config};
+    let region = aws.sdk.region().cloned().ok_or_else(|| Error::InvalidInput("no AWS region for IAM authentication".into()))?;
+    let config = Config::builder()
+        .hostname(&endpoint.address)
+        .port(endpoint.port as u64)
+        .username(user)
+        .region(region)
+        .build()
+        .map_err(|e| Error::InvalidInput(format!("IAM token configuration: {e}")))?;
+    let token = AuthTokenGenerator::new(config)
+        .auth_token(&aws.sdk)
+        .await
+        .map_err(|e| Error::Aws { context: "signing an IAM database token".into(), reason: e.to_string(), throttled: false })?;
+    Ok(token.as_str().to_string())
+}
+
 /// The instant this invocation must have returned by (Context::deadline is ms since the epoch).
 pub fn deadline(ctx: &Context) -> Instant {
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
     Instant::now() + Duration::from_millis(ctx.deadline.saturating_sub(now_ms))
 }
 
+fn parse_time(rfc3339: &str) -> Result<SystemTime, Error> {
+    humantime::parse_rfc3339_weak(rfc3339.trim_end_matches('Z'))
+        .map_err(|e| Error::InvalidInput(format!("started: {rfc3339:?} is not an RFC 3339 time: {e}")))
+}
+
 /// Minutes since an RFC 3339 time such as `$$.Execution.StartTime`.
 pub fn minutes_since(rfc3339: &str) -> Result<f64, Error> {
-    let t = humantime::parse_rfc3339_weak(rfc3339.trim_end_matches('Z'))
-        .map_err(|e| Error::InvalidInput(format!("started: {rfc3339:?} is not an RFC 3339 time: {e}")))?;
-    Ok(SystemTime::now().duration_since(t).unwrap_or_default().as_secs_f64() / 60.0)
+    Ok(SystemTime::now().duration_since(parse_time(rfc3339)?).unwrap_or_default().as_secs_f64() / 60.0)
+}
+
+/// Milliseconds since the epoch of an RFC 3339 time.
+pub fn epoch_ms(rfc3339: &str) -> Result<u64, Error> {
+    Ok(parse_time(rfc3339)?.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn step_functions_times_parse() {
+        assert_eq!(super::epoch_ms("2026-11-30T09:14:08.123Z").unwrap(), 1_796_030_048_123);
+        assert_eq!(super::epoch_ms("2026-11-30T09:14:08Z").unwrap(), 1_796_030_048_000);
+        assert!(super::epoch_ms("yesterday").is_err());
+    }
 }
