@@ -19,7 +19,7 @@ if [ ! -x "$VENV/bin/cfn-lint" ] || [ "$("$VENV/bin/cfn-lint" --version 2>/dev/n
 fi
 
 status=0
-for asl in statemachine/*.asl.json; do
+for asl in statemachine/*.asl.json docs/examples/*.asl.json; do
   "$NODE_DIR/node_modules/.bin/asl-validator" --json-path "$asl" || status=1
 done
 "$VENV/bin/cfn-lint" infra/template.yaml && echo "✓ infra/template.yaml passes cfn-lint $CFN_LINT" || status=1

@@ -70,6 +70,9 @@ enum Command {
         #[arg(long)]
         all: bool,
     },
+    /// Start the deployed AWS workflow for one instance (and with --wait, follow it to the end with
+    /// the same exit codes as `run`).
+    Start(StartArgs),
     /// Continue a run that stopped at its time limit, from its continuation file.
     Resume {
         /// The continuation file written by `run --time-limit`.
@@ -83,6 +86,47 @@ enum Command {
         #[command(flatten)]
         out: OutArgs,
     },
+}
+
+#[derive(Args)]
+struct StartArgs {
+    /// The DB instance identifier to hydrate.
+    #[arg(long)]
+    instance: String,
+    /// The pghydrate state machine (the stack's StateMachineArn output).
+    #[arg(long, env = "PGHYDRATE_STATE_MACHINE_ARN")]
+    state_machine_arn: String,
+    /// Follow the execution until it ends.
+    #[arg(long)]
+    wait: bool,
+    /// Seconds between status checks with --wait.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    poll_interval: Duration,
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    sessions: Option<u32>,
+    #[arg(long, value_enum)]
+    mode: Option<ModeArg>,
+    #[arg(long, value_enum)]
+    maintenance: Option<MaintenanceArg>,
+    #[arg(long = "include-database", value_name = "GLOB")]
+    include_databases: Vec<String>,
+    #[arg(long = "exclude-database", value_name = "GLOB")]
+    exclude_databases: Vec<String>,
+    #[arg(long, value_name = "PATTERN")]
+    include: Vec<String>,
+    #[arg(long, value_name = "PATTERN")]
+    exclude: Vec<String>,
+    #[arg(long, value_name = "PATTERN")]
+    first: Vec<String>,
+    /// Connect with this Secrets Manager secret instead of the configured default.
+    #[arg(long, conflicts_with = "iam_user")]
+    secret_arn: Option<String>,
+    /// Connect as this user with IAM database authentication.
+    #[arg(long)]
+    iam_user: Option<String>,
+    /// Only wait for storage initialization; read no blocks.
+    #[arg(long)]
+    poll_only: bool,
 }
 
 #[derive(Args)]
@@ -179,7 +223,8 @@ struct OutArgs {
     progress_interval: Duration,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 enum ModeArg {
     Auto,
     Read,
@@ -187,7 +232,8 @@ enum ModeArg {
     Prefetch,
 }
 
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 enum MaintenanceArg {
     Analyze,
     VacuumAnalyze,
@@ -346,6 +392,7 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
             let mut state = RunState::new(plan, mode, sessions, opts.maintenance);
             drive(&spec, &mut state, &opts, &out, Path::new("pghydrate-continuation.json")).await
         }
+        Command::Start(args) => start(args).await,
         Command::Resume { continuation, conn, warm, timeouts, out } => {
             let spec = spec_of(&conn, &timeouts)?;
             let text = std::fs::read_to_string(&continuation).map_err(|e| Error::Io {
@@ -366,6 +413,70 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
 
 /// Advances the state; writes the report, and the continuation (to `--continuation`, else
 /// `default_continuation`) when work is left; removes `default_continuation` when a resumed run is done.
+/// The manual input the workflow takes (README: "Manual start"), checked here with the same parser
+/// the Resolve Lambda uses, so that bad input fails before anything starts.
+fn start_input(a: &StartArgs) -> pghydrate::Result<serde_json::Value> {
+    let mut input = serde_json::json!({ "instance": a.instance });
+    let o = input.as_object_mut().unwrap();
+    if let Some(s) = a.sessions {
+        o.insert("sessions".into(), s.into());
+    }
+    if let Some(m) = a.mode {
+        o.insert("mode".into(), serde_json::to_value(m).unwrap());
+    }
+    if let Some(m) = a.maintenance {
+        o.insert("maintenance".into(), serde_json::to_value(m).unwrap());
+    }
+    for (k, v) in [
+        ("include_databases", &a.include_databases),
+        ("exclude_databases", &a.exclude_databases),
+        ("include", &a.include),
+        ("exclude", &a.exclude),
+        ("first", &a.first),
+    ] {
+        if !v.is_empty() {
+            o.insert(k.into(), serde_json::to_value(v).unwrap());
+        }
+    }
+    if let Some(arn) = &a.secret_arn {
+        o.insert("credentials".into(), serde_json::json!({"type": "secret", "arn": arn}));
+    }
+    if let Some(user) = &a.iam_user {
+        o.insert("credentials".into(), serde_json::json!({"type": "iam", "user": user}));
+    }
+    if a.poll_only {
+        o.insert("poll_only".into(), true.into());
+    }
+    pghydrate::events::parse_input(&input, None, None).map_err(|e| Error::InvalidInput(e.to_string()))?;
+    Ok(input)
+}
+
+async fn start(a: StartArgs) -> pghydrate::Result<i32> {
+    let input = start_input(&a)?;
+    let config = aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await;
+    let sfn = aws_sdk_sfn::Client::new(&config);
+    let execution = pghydrate::aws::start_execution(&sfn, &a.state_machine_arn, &input).await?;
+    eprintln!("pghydrate: started {execution}");
+    if !a.wait {
+        println!("{execution}");
+        return Ok(exit::COMPLETE);
+    }
+    loop {
+        let v = pghydrate::aws::describe_execution(&sfn, &execution).await?;
+        if v.status != "RUNNING" {
+            if let Some(out) = &v.output {
+                println!("{out}");
+            }
+            if let Some(e) = &v.error {
+                eprintln!("pghydrate: execution {} with {e}: {}", v.status, v.cause.as_deref().unwrap_or(""));
+            }
+            return Ok(pghydrate::aws::execution_exit_code(&v));
+        }
+        eprintln!("pghydrate: {execution} is running");
+        tokio::time::sleep(a.poll_interval).await;
+    }
+}
+
 async fn drive(
     spec: &ConnectionSpec,
     state: &mut RunState,
@@ -480,5 +591,25 @@ mod tests {
     #[test]
     fn options_are_consistent() {
         super::Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn start_builds_the_documented_manual_input() {
+        use clap::Parser;
+        let cli = super::Cli::try_parse_from([
+            "pghydrate", "start", "--instance", "green-1", "--state-machine-arn", "arn:aws:states:us-east-1:123456789012:stateMachine:pghydrate-hydrate",
+            "--sessions", "4", "--mode", "buffer", "--maintenance", "vacuum-analyze", "--first", "public.orders", "--iam-user", "hydrator",
+        ])
+        .unwrap();
+        let super::Command::Start(args) = cli.command else { panic!("not start") };
+        let input = super::start_input(&args).unwrap();
+        assert_eq!(
+            input,
+            serde_json::json!({"instance": "green-1", "sessions": 4, "mode": "buffer", "maintenance": "vacuum-analyze",
+                               "first": ["public.orders"], "credentials": {"type": "iam", "user": "hydrator"}})
+        );
+        let bad = super::Cli::try_parse_from(["pghydrate", "start", "--instance", "1-bad", "--state-machine-arn", "x"]).unwrap();
+        let super::Command::Start(args) = bad.command else { panic!("not start") };
+        assert!(super::start_input(&args).unwrap_err().to_string().contains("instance:"));
     }
 }

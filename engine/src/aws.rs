@@ -122,3 +122,51 @@ pub async fn get_bytes(s3: &aws_sdk_s3::Client, bucket: &str, key: &str) -> Resu
     })?;
     Ok(data.into_bytes().to_vec())
 }
+
+/// An execution of the workflow as `pghydrate start --wait` follows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecutionView {
+    /// RUNNING, SUCCEEDED, FAILED, TIMED_OUT, ABORTED, PENDING_REDRIVE.
+    pub status: String,
+    pub output: Option<String>,
+    pub error: Option<String>,
+    pub cause: Option<String>,
+}
+
+/// Starts an execution with `input` (already validated); returns its ARN.
+pub async fn start_execution(sfn: &aws_sdk_sfn::Client, state_machine: &str, input: &serde_json::Value) -> Result<String> {
+    let out = sfn
+        .start_execution()
+        .state_machine_arn(state_machine)
+        .input(input.to_string())
+        .send()
+        .await
+        .map_err(|e| aws_error("StartExecution", &e.into_service_error()))?;
+    Ok(out.execution_arn().to_string())
+}
+
+pub async fn describe_execution(sfn: &aws_sdk_sfn::Client, execution: &str) -> Result<ExecutionView> {
+    let out = sfn
+        .describe_execution()
+        .execution_arn(execution)
+        .send()
+        .await
+        .map_err(|e| aws_error("DescribeExecution", &e.into_service_error()))?;
+    Ok(ExecutionView {
+        status: out.status().as_str().to_string(),
+        output: out.output().map(str::to_string),
+        error: out.error().map(str::to_string),
+        cause: out.cause().map(str::to_string),
+    })
+}
+
+/// The exit code a finished execution stands for (the CLI's codes, see README).
+pub fn execution_exit_code(v: &ExecutionView) -> i32 {
+    use crate::error::exit;
+    match (v.status.as_str(), v.error.as_deref()) {
+        ("SUCCEEDED", _) => exit::COMPLETE,
+        ("FAILED", Some("HydrationIncomplete")) => exit::INCOMPLETE,
+        ("FAILED", Some("InvalidInput")) => exit::INVALID_INPUT,
+        _ => exit::INTERNAL,
+    }
+}

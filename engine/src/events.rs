@@ -177,6 +177,8 @@ fn parse_manual(input: &Value) -> Result<Trigger, InputError> {
     }
     let mut rest = obj.clone();
     rest.remove("instance");
+    // Step Functions adds this when a parent execution (a pipeline) starts this one.
+    rest.remove("AWS_STEP_FUNCTIONS_STARTED_BY_EXECUTION_ID");
     let overrides: Overrides = serde_json::from_value(Value::Object(rest)).map_err(|e| invalid(field_error(&e.to_string())))?;
     validate_overrides(&overrides)?;
     Ok(Trigger {
@@ -413,6 +415,8 @@ mod tests {
         assert_eq!(t.kind, TriggerKind::Manual);
         assert_eq!(t.overrides.sessions, Some(12));
         assert_eq!(t.overrides.first, vec!["public.orders"]);
+        let nested = parse(&json!({"instance": "green-1", "AWS_STEP_FUNCTIONS_STARTED_BY_EXECUTION_ID": "arn:aws:states:us-east-1:123456789012:execution:pipeline:run-7"})).unwrap();
+        assert_eq!(nested.instance.as_deref(), Some("green-1"));
         assert!(matches!(t.overrides.credentials, Some(Credentials::Secret { .. })));
     }
 
