@@ -9,7 +9,6 @@ use tracing::{info, warn};
 
 use crate::connect::ConnectionSpec;
 use crate::error::{describe, is_connection_error, Error, Result};
-use crate::plan::Plan;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -51,18 +50,19 @@ pub struct MaintainOptions {
     pub margin: Duration,
 }
 
-/// Lists the tables to maintain: tables, partitions, partitioned tables and materialized views of the
-/// planned databases that are not in system schemas and not excluded by the plan's patterns.
-pub async fn targets(spec: &ConnectionSpec, plan: &Plan) -> Result<Vec<MaintenanceTarget>> {
+/// Lists the tables to maintain: tables, partitions, partitioned tables and materialized views of
+/// `databases` that are not in system schemas and for which `excluded(database, schema.table)` is false.
+pub async fn targets(
+    spec: &ConnectionSpec,
+    databases: &[String],
+    excluded: impl Fn(&str, &str) -> bool,
+) -> Result<Vec<MaintenanceTarget>> {
     let mut out = Vec::new();
-    for db in plan.databases.iter().filter(|d| d.outcome == "planned") {
-        // Tables whose main fork the plan excludes are not maintained either.
-        let excluded: std::collections::HashSet<u32> =
-            plan.forks.iter().filter(|f| f.database == db.name && f.excluded).map(|f| f.oid).collect();
-        let client = match spec.connect(&db.name).await {
+    for db in databases {
+        let client = match spec.connect(db).await {
             Ok(c) => c,
             Err(e) => {
-                warn!(database = %db.name, error = %e, "cannot list tables to maintain");
+                warn!(database = %db, error = %e, "cannot list tables to maintain");
                 continue;
             }
         };
@@ -75,12 +75,13 @@ pub async fn targets(spec: &ConnectionSpec, plan: &Plan) -> Result<Vec<Maintenan
         let rows = client.query(&sql, &[]).await.map_err(|e| Error::query("listing tables to maintain", e))?;
         for r in rows {
             let oid: u32 = r.get(0);
-            if excluded.contains(&oid) {
+            let table: String = r.get(1);
+            if excluded(db, &table) {
                 continue;
             }
             out.push(MaintenanceTarget {
-                database: db.name.clone(),
-                table: r.get(1),
+                database: db.clone(),
+                table,
                 oid,
                 qualified: r.get(2),
                 partitioned: r.get(3),

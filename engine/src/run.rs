@@ -132,7 +132,18 @@ impl RunState {
         let started = Instant::now();
         let targets = match self.maintenance_pending.take() {
             Some(t) => t,
-            None => maintain::targets(spec, &self.plan).await?,
+            None => {
+                let databases: Vec<String> =
+                    self.plan.databases.iter().filter(|d| d.outcome == "planned").map(|d| d.name.clone()).collect();
+                let excluded: std::collections::HashSet<(&str, String)> = self
+                    .plan
+                    .forks
+                    .iter()
+                    .filter(|f| f.excluded)
+                    .map(|f| (f.database.as_str(), f.table.clone()))
+                    .collect();
+                maintain::targets(spec, &databases, |db, table| excluded.contains(&(db, table.to_string()))).await?
+            }
         };
         let mopts = MaintainOptions {
             action: self.maintenance,

@@ -4,7 +4,6 @@
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
 use pghydrate::maintain::{maintain, targets, MaintainOptions, Maintenance, MaintenanceTarget};
 use pghydrate::pattern::RelationPattern;
-use pghydrate::plan::{DatabaseEntry, Plan, ServerInfo};
 use pghydrate::report::DatabaseReport;
 use pghydrate::workflow::{Endpoint, RunConfig, Target};
 use pghydrate_lambda::{deadline, init_tracing, Aws, DbConfig, Failure};
@@ -53,15 +52,13 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
         Some(t) => t,
         None => {
             let exclude: Vec<RelationPattern> = r.run.exclude.iter().filter_map(|p| RelationPattern::parse(p).ok()).collect();
-            let plan = planned_databases(&r.databases);
-            targets(&spec, &plan)
-                .await?
-                .into_iter()
-                .filter(|t| {
-                    let (schema, table) = t.table.split_once('.').unwrap_or(("", &t.table));
-                    !exclude.iter().any(|p| p.matches(&t.database, schema, table))
-                })
-                .collect()
+            let databases: Vec<String> =
+                r.databases.iter().filter(|d| d.outcome == "planned").map(|d| d.name.clone()).collect();
+            targets(&spec, &databases, |db, qualified| {
+                let (schema, table) = qualified.split_once('.').unwrap_or(("", qualified));
+                exclude.iter().any(|p| p.matches(db, schema, table))
+            })
+            .await?
         }
     };
     let opts = MaintainOptions {
@@ -81,38 +78,6 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     }
     tracing::info!(instance = %r.target.instance, done = summary.done, skipped = summary.skipped.len(), left = left.len(), "maintenance call");
     Ok(Response { done: left.is_empty(), state: Some(left), summary })
-}
-
-/// The maintenance listing needs only the planned databases (it asks each server for its version).
-fn planned_databases(dbs: &[DatabaseReport]) -> Plan {
-    Plan {
-        format: pghydrate::plan::PLAN_FORMAT,
-        created_at: String::new(),
-        server: ServerInfo {
-            version_num: 0,
-            version: String::new(),
-            block_size: 8192,
-            login_role: String::new(),
-            is_superuser: false,
-            max_connections: 0,
-            reserved_connections: 0,
-            connections_in_use: 0,
-        },
-        range_blocks: 0,
-        databases: dbs
-            .iter()
-            .map(|d| DatabaseEntry {
-                name: d.name.clone(),
-                outcome: d.outcome.clone(),
-                reason: None,
-                prewarm_function: None,
-                counts_against_coverage: true,
-            })
-            .collect(),
-        forks: vec![],
-        ranges: vec![],
-        plan_seconds: 0.0,
-    }
 }
 
 #[tokio::main]
