@@ -141,6 +141,17 @@ impl WorkItem {
         if self.pending.is_empty() {
             return Ok(());
         }
+        // A call that starts inside its margin can never read anything: looping on it would never end.
+        if let Some(d) = opts.deadline {
+            let left = d.saturating_duration_since(Instant::now());
+            if left <= opts.margin {
+                return Err(Error::InvalidInput(format!(
+                    "this call has {:.1} s left, not more than its margin of {} s: the function's timeout must exceed PGHYDRATE_MARGIN_SECONDS",
+                    left.as_secs_f64(),
+                    opts.margin.as_secs()
+                )));
+            }
+        }
         let plan = Arc::new(self.as_plan());
         let ranges = std::mem::take(&mut self.pending);
         let opts = WarmOptions { mode: self.mode, ..opts.clone() };

@@ -157,10 +157,20 @@ async fn iam_token(aws: &Aws, endpoint: &Endpoint, user: &str) -> Result<String,
     Ok(token.as_str().to_string())
 }
 
-/// The instant this invocation must have returned by (Context::deadline is ms since the epoch).
+/// The instant this invocation must have returned by. Lambda's Context::deadline is milliseconds since
+/// the epoch; an emulator (`cargo lambda watch`) sends the timeout itself (e.g. 600000), so a value
+/// before the year 2000 is read as milliseconds from now. PGHYDRATE_CALL_SECONDS, when set, caps the
+/// call's working time further (shorter calls checkpoint more often; tests use it to force many calls).
 pub fn deadline(ctx: &Context) -> Instant {
+    const YEAR_2000_MS: u64 = 946_684_800_000;
+    let now = Instant::now();
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-    Instant::now() + Duration::from_millis(ctx.deadline.saturating_sub(now_ms))
+    let left_ms = if ctx.deadline < YEAR_2000_MS { ctx.deadline } else { ctx.deadline.saturating_sub(now_ms) };
+    let mut until = now + Duration::from_millis(left_ms);
+    if let Some(cap) = std::env::var("PGHYDRATE_CALL_SECONDS").ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+        until = until.min(now + Duration::from_secs(cap));
+    }
+    until
 }
 
 fn parse_time(rfc3339: &str) -> Result<SystemTime, Error> {
@@ -180,6 +190,18 @@ pub fn epoch_ms(rfc3339: &str) -> Result<u64, Error> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn deadlines_from_lambda_and_from_the_emulator() {
+        let mut ctx = lambda_runtime::Context::default();
+        let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+        ctx.deadline = now_ms + 300_000; // Lambda: epoch ms
+        let left = super::deadline(&ctx).saturating_duration_since(std::time::Instant::now()).as_secs();
+        assert!((298..=300).contains(&left), "{left}");
+        ctx.deadline = 600_000; // cargo lambda watch: the timeout itself
+        let left = super::deadline(&ctx).saturating_duration_since(std::time::Instant::now()).as_secs();
+        assert!((598..=600).contains(&left), "{left}");
+    }
+
     #[test]
     fn step_functions_times_parse() {
         assert_eq!(super::epoch_ms("2026-11-30T09:14:08.123Z").unwrap(), 1_796_030_048_123);

@@ -1,0 +1,174 @@
+"""pghydrate's extension of moto 5.2.5 for the local twin, started by twin/server.py.
+
+What moto lacks that the workflow needs, and nothing else:
+- DBInstance endpoint: the twin points an emulated instance at the real local PostgreSQL (address, port).
+- StorageOperationStatus / StorageOperationPercentProgress (moto never reports them), and scripted
+  DBInstanceStatus changes: each DescribeDBInstances of an instance consumes the next step of its script,
+  so "Initializing 10%, 55%, then absent" or "creating, then available" happen call by call.
+- Lambda tasks: moto's Step Functions interpreter invokes Lambda through its own (docker-based) Lambda;
+  here its Lambda client points at the shim in front of `cargo lambda watch` (the real binaries).
+- A control API for tests (POST /instance, GET /describes), on its own port.
+Blue/Green deployments (Create/DescribeBlueGreenDeployments) are moto's own.
+"""
+import json
+import os
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import boto3
+import moto
+from botocore.config import Config
+
+if moto.__version__ != "5.2.5":
+    raise SystemExit(f"moto_ext patches moto 5.2.5, found {moto.__version__}")
+
+from moto.backends import get_backend
+from moto.rds.models import DBInstance
+from moto.rds.responses import RDSResponse
+import moto.stepfunctions.parser.asl.component.state.exec.state_task.lambda_eval_utils as lambda_eval_utils
+
+LOCK = threading.Lock()
+# instance id -> {"address", "port", "script": [{"status": ..., "storage": ..., "progress": ...}], "now": {...}}
+INSTANCES: dict = {}
+DESCRIBES: dict = {}
+
+
+def _now(db):
+    return INSTANCES.get(db.db_instance_identifier, {}).get("now", {})
+
+
+_orig_address = DBInstance.address
+DBInstance.address = property(lambda self: INSTANCES.get(self.db_instance_identifier, {}).get("address") or _orig_address.fget(self))
+DBInstance.storage_operation_status = property(lambda self: _now(self).get("storage"))
+DBInstance.storage_operation_percent_progress = property(lambda self: _now(self).get("progress"))
+
+_orig_describe = RDSResponse.describe_db_instances
+
+
+def _describe(self):
+    ident = self.params.get("DBInstanceIdentifier")
+    with LOCK:
+        if ident:
+            DESCRIBES[ident] = DESCRIBES.get(ident, 0) + 1
+        entry = INSTANCES.get(ident)
+        if entry is not None:
+            if entry["script"]:
+                entry["now"] = entry["script"].pop(0)
+            status = entry["now"].get("status")
+            if status:
+                for account in get_backend("rds").values():
+                    for region in account.values():
+                        db = region.databases.get(ident)
+                        if db is not None:
+                            if status == "deleted":
+                                del region.databases[ident]
+                            else:
+                                db.status = status
+    return _orig_describe(self)
+
+
+RDSResponse.describe_db_instances = _describe
+
+LAMBDA_URL = os.environ.get("PGHYDRATE_TWIN_LAMBDA_URL", "http://127.0.0.1:9002")
+
+
+def _lambda_client(region, state_credentials=None):
+    return boto3.client(
+        "lambda",
+        region_name=region,
+        endpoint_url=LAMBDA_URL,
+        aws_access_key_id="ak",
+        aws_secret_access_key="sk",
+        config=Config(parameter_validation=False, retries={"total_max_attempts": 1}, read_timeout=3600, connect_timeout=10),
+    )
+
+
+_orig_boto_client_for = lambda_eval_utils.boto_client_for
+
+
+def _boto_client_for(region, service, state_credentials=None):
+    if service == "lambda":
+        return _lambda_client(region, state_credentials)
+    return _orig_boto_client_for(region=region, service=service, state_credentials=state_credentials)
+
+
+lambda_eval_utils.boto_client_for = _boto_client_for
+
+
+class Control(BaseHTTPRequestHandler):
+    """POST /instance {"id", "address", "port", "script": [...]}; GET /describes."""
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/instance":
+            with LOCK:
+                INSTANCES[body["id"]] = {
+                    "address": body.get("address"),
+                    "script": list(body.get("script", [])),
+                    "now": {},
+                }
+                if "port" in body:
+                    for account in get_backend("rds").values():
+                        for region in account.values():
+                            db = region.databases.get(body["id"])
+                            if db is not None:
+                                db.port = body["port"]
+            return self._reply(200, {"ok": True})
+        return self._reply(404, {"error": self.path})
+
+    def do_GET(self):
+        if self.path == "/describes":
+            with LOCK:
+                return self._reply(200, {"describes": DESCRIBES, "scripts_left": {k: len(v["script"]) for k, v in INSTANCES.items()}})
+        return self._reply(404, {"error": self.path})
+
+
+class LambdaShim(BaseHTTPRequestHandler):
+    """Lambda Invoke API in front of `cargo lambda watch`: ARNs become bare names, and a function error
+    (watch: HTTP 500 with errorType) becomes what real Lambda returns (200 + X-Amz-Function-Error)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        parts = self.path.split("/")
+        # /2015-03-31/functions/{name}/invocations
+        name = urllib.request.unquote(parts[3]).split(":function:")[-1].split(":")[0]
+        payload = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        target = f"{os.environ['PGHYDRATE_TWIN_WATCH_URL']}/2015-03-31/functions/{name}/invocations"
+        req = urllib.request.Request(target, data=payload, method="POST", headers={"Content-Type": "application/json"})
+        function_error = None
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as e:
+            body = e.read()
+            function_error = "Unhandled"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("X-Amz-Executed-Version", "$LATEST")
+        if function_error:
+            self.send_header("X-Amz-Function-Error", function_error)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def serve_side_ports(control_port: int, shim_port: int):
+    for port, handler in ((control_port, Control), (shim_port, LambdaShim)):
+        server = ThreadingHTTPServer(("127.0.0.1", port), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()

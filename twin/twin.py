@@ -1,0 +1,241 @@
+"""The local twin of pghydrate's AWS side: a real PostgreSQL, moto (RDS, Secrets Manager, S3, Step Functions
+executing the real ASL definition, extended by moto_ext.py), and the real Lambda binaries behind
+`cargo lambda watch`. Everything it starts, it stops.
+
+    with Twin.start() as twin:
+        twin.register_instance("orders-restored", script=[...])
+        out = twin.run({"instance": "orders-restored"})
+"""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import boto3
+
+ROOT = Path(__file__).resolve().parent.parent
+HOME = Path(os.environ.get("PGHYDRATE_HOME", "/var/tmp/pghydrate"))
+PG_BIN = HOME / "pg" / os.environ.get("PGHYDRATE_TWIN_PG", "15") / "bin"
+RUN_AS = "pghydrate"
+REGION = "us-east-1"
+ACCOUNT = "123456789012"
+PASSWORD = "Tw1n-S3cret-pw"
+FUNCTIONS = ["resolve", "describe", "plan", "warm", "maintain", "report"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_pg(args, **kw):
+    if os.geteuid() == 0:
+        args = ["runuser", "-u", RUN_AS, "--"] + args
+    return subprocess.run(args, check=True, capture_output=True, text=True, **kw)
+
+
+def wait_http(url: str, seconds: float = 60):
+    end = time.time() + seconds
+    while time.time() < end:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return  # the server answered
+        except Exception:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer in {seconds}s")
+
+
+class Postgres:
+    """A PostgreSQL cluster on a free loopback port, run by the unprivileged user."""
+
+    def __init__(self, workdir: Path):
+        self.dir = workdir / "pg"
+        self.dir.mkdir(parents=True)
+        (self.dir / "pw").write_text(PASSWORD)
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, RUN_AS)
+            shutil.chown(self.dir / "pw", RUN_AS)
+        as_pg([str(PG_BIN / "initdb"), "-D", str(self.dir / "data"), "-U", "postgres", "-A", "scram-sha-256",
+               "--auth-local=trust", f"--pwfile={self.dir / 'pw'}", "--locale=C", "-E", "UTF8", "--no-sync"])
+        with open(self.dir / "data" / "postgresql.auto.conf", "a") as f:
+            f.write(f"listen_addresses = '127.0.0.1'\nunix_socket_directories = '{self.dir}'\nfsync = off\n"
+                    "shared_buffers = 128MB\nautovacuum = off\n")
+        self.port = free_port()
+        self.start()
+
+    def start(self):
+        as_pg([str(PG_BIN / "pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-o",
+               f"-p {self.port}", "-w", "start"])
+
+    def stop(self, mode="fast"):
+        subprocess.run((["runuser", "-u", RUN_AS, "--"] if os.geteuid() == 0 else [])
+                       + [str(PG_BIN / "pg_ctl"), "-D", str(self.dir / "data"), "-m", mode, "-w", "stop"],
+                       capture_output=True)
+
+    def restart(self):
+        self.stop()
+        self.start()
+
+    def psql(self, sql: str, db: str = "postgres", options: str = "") -> str:
+        env = dict(os.environ, PGPASSWORD=PASSWORD, PGOPTIONS=options)
+        out = subprocess.run([str(PG_BIN / "psql"), "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1",
+                              "-p", str(self.port), "-U", "postgres", "-d", db, "-c", sql],
+                             check=True, capture_output=True, text=True, env=env)
+        return out.stdout.strip()
+
+    def load_sample(self, db: str, scale: int = 1):
+        self.psql(f'CREATE DATABASE "{db}"')
+        env = dict(os.environ, PGPASSWORD=PASSWORD, PGOPTIONS=f"-c pghydrate.scale={scale}")
+        subprocess.run([str(PG_BIN / "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1", "-p",
+                        str(self.port), "-U", "postgres", "-d", db, "-f", str(ROOT / "scripts" / "sample.sql")],
+                       check=True, capture_output=True, text=True, env=env)
+        self.psql("VACUUM", db=db)
+
+
+class Twin:
+    def __init__(self, workdir: Path, lambda_timeout: int, margin: int):
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen] = []
+        self.pg = Postgres(workdir)
+        self.moto_port, self.control_port, self.shim_port, self.watch_port = (free_port() for _ in range(4))
+        self.endpoint = f"http://127.0.0.1:{self.moto_port}"
+        self.logs = workdir / "logs"
+        self.logs.mkdir()
+        self._start_moto()
+        self._start_watch(lambda_timeout, margin)
+        self._create_resources()
+
+    # --- processes ---------------------------------------------------------------------------------------
+    def _spawn(self, name, args, env=None, cwd=None):
+        log = open(self.logs / f"{name}.log", "w")
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def _start_moto(self):
+        env = dict(os.environ, PGHYDRATE_TWIN_WATCH_URL=f"http://127.0.0.1:{self.watch_port}")
+        self._spawn("moto", [sys.executable, str(ROOT / "twin" / "server.py"), str(self.moto_port),
+                             str(self.control_port), str(self.shim_port)], env=env)
+        wait_http(f"{self.endpoint}/moto-api/")
+        req = urllib.request.Request(f"{self.endpoint}/moto-api/config", method="POST",
+                                     data=json.dumps({"stepfunctions": {"execute_state_machine": True}}).encode())
+        urllib.request.urlopen(req)
+
+    def function_env(self, lambda_timeout: int, margin: int) -> dict:
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "twin",
+            "AWS_SECRET_ACCESS_KEY": "twin",
+            "AWS_REGION": REGION,
+            "RUST_LOG": os.environ.get("PGHYDRATE_TWIN_RUST_LOG", "info"),
+            "PGHYDRATE_TLS": "prefer",  # the twin's PostgreSQL has no TLS: an explicit, logged choice
+            "PGHYDRATE_MARGIN_SECONDS": str(margin),
+            "PGHYDRATE_STATE_BUCKET": "pghydrate-twin-state",
+            "PGHYDRATE_STATE_PREFIX": "runs/",
+            "PGHYDRATE_READY_POLL_SECONDS": "1",
+            "PGHYDRATE_STORAGE_POLL_SECONDS": "1",
+            "PGHYDRATE_READY_LIMIT_MINUTES": "10",
+            "PGHYDRATE_STORAGE_LIMIT_MINUTES": "10",
+            "PGHYDRATE_CALL_SECONDS": str(lambda_timeout),
+        }
+
+    def _start_watch(self, lambda_timeout: int, margin: int):
+        args = ["cargo", "lambda", "watch", "-A", "127.0.0.1", "-P", str(self.watch_port), "--ignore-changes",
+                "--timeout", "900"]
+        for k, v in self.function_env(lambda_timeout, margin).items():
+            args += ["--env-var", f"{k}={v}"]
+        env = dict(os.environ)
+        env["PATH"] = f"{HOME / 'twinvenv' / 'bin'}:{env['PATH']}"
+        self._spawn("watch", args, env=env, cwd=ROOT)
+        wait_http(f"http://127.0.0.1:{self.watch_port}/", 120)
+
+    def stop(self):
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, 15)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+        self.pg.stop("immediate")
+
+    # --- AWS resources -----------------------------------------------------------------------------------
+    def client(self, service):
+        return boto3.client(service, region_name=REGION, endpoint_url=self.endpoint,
+                            aws_access_key_id="twin", aws_secret_access_key="twin")
+
+    def _create_resources(self):
+        self.client("s3").create_bucket(Bucket="pghydrate-twin-state")
+        self.secret_arn = self.client("secretsmanager").create_secret(
+            Name="pghydrate-twin-db", SecretString=json.dumps({"username": "postgres", "password": PASSWORD}))["ARN"]
+        definition = (ROOT / "statemachine" / "hydrate.asl.json").read_text()
+        subs = {f"{fn.capitalize()}FunctionArn": fn for fn in FUNCTIONS}
+        subs.update(StateBucket="pghydrate-twin-state", StatePrefix="runs/")
+        used = set(re.findall(r"\$\{(\w+)\}", definition))
+        assert used == set(subs), f"placeholders {used} vs substitutions {set(subs)}"
+        for k, v in subs.items():
+            definition = definition.replace("${" + k + "}", v)
+        self.state_machine = self.client("stepfunctions").create_state_machine(
+            name="pghydrate-twin-hydrate", definition=definition,
+            roleArn=f"arn:aws:iam::{ACCOUNT}:role/pghydrate-twin")["stateMachineArn"]
+
+    def register_instance(self, ident: str, script=(), engine="postgres", create=True):
+        """Creates the emulated DB instance (pointing at the real PostgreSQL) and scripts what each
+        DescribeDBInstances reports: [{"status": ..., "storage": ..., "progress": ...}, ...]."""
+        if create:
+            self.client("rds").create_db_instance(
+                DBInstanceIdentifier=ident, Engine=engine, DBInstanceClass="db.m5.large", AllocatedStorage=20,
+                MasterUsername="postgres", MasterUserPassword=PASSWORD)
+        body = {"id": ident, "address": "127.0.0.1", "port": self.pg.port, "script": list(script)}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.control_port}/instance", method="POST",
+                                     data=json.dumps(body).encode())
+        urllib.request.urlopen(req)
+
+    def describes(self) -> dict:
+        return json.load(urllib.request.urlopen(f"http://127.0.0.1:{self.control_port}/describes"))
+
+    def run(self, execution_input, timeout: float = 600):
+        sfn = self.client("stepfunctions")
+        self.runs = getattr(self, "runs", 0) + 1
+        arn = sfn.start_execution(stateMachineArn=self.state_machine, name=f"run-{self.runs}-{int(time.time())}",
+                                  input=json.dumps(execution_input))["executionArn"]
+        end = time.time() + timeout
+        while time.time() < end:
+            d = sfn.describe_execution(executionArn=arn)
+            if d["status"] != "RUNNING":
+                history = sfn.get_execution_history(executionArn=arn, maxResults=1000)["events"]
+                return d, history
+            time.sleep(0.5)
+        raise TimeoutError(f"execution {arn} still running after {timeout}s")
+
+    def log_text(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in self.logs.iterdir())
+
+    @classmethod
+    @contextmanager
+    def start(cls, lambda_timeout: int = 120, margin: int = 10):
+        workdir = Path(tempfile.mkdtemp(prefix="twin-", dir=HOME))
+        if os.geteuid() == 0:
+            shutil.chown(workdir, RUN_AS)
+        twin = None
+        try:
+            twin = cls(workdir, lambda_timeout, margin)
+            yield twin
+        finally:
+            if twin:
+                twin.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
