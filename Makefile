@@ -7,7 +7,7 @@ export CARGO_TARGET_DIR ?= $(PGHYDRATE_HOME)/target
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: setup build demo test unit check-infra bench-modes clean-demo
+.PHONY: setup build demo test e2e unit check-infra bench-modes clean-demo
 
 setup:
 	bash scripts/setup.sh
@@ -25,7 +25,8 @@ test: setup
 	bash scripts/check-infra.sh
 	$(CARGO) build --locked -p pghydrate-cli
 	set -o pipefail; $(CARGO) test --workspace --locked 2>&1 | tee $(PGHYDRATE_HOME)/test.log
-	@awk '/^test result:/ { p += $$4; f += $$6 } END { printf "%d passed, %d failed\n", p, f }' $(PGHYDRATE_HOME)/test.log
+	set -o pipefail; bash twin/up.sh 2>&1 | tee $(PGHYDRATE_HOME)/e2e.log
+	@awk '/^test result:/ { p += $$4; f += $$6 } FILENAME ~ /e2e.log$$/ && / passed/ && /in [0-9.]+s/ { for (i = 1; i < NF; i++) { if ($$(i+1) ~ /^passed/) p += $$i; if ($$(i+1) ~ /^failed/) f += $$i } } END { printf "%d passed, %d failed\n", p, f }' $(PGHYDRATE_HOME)/test.log $(PGHYDRATE_HOME)/e2e.log
 
 unit:
 	$(CARGO) test --locked -p pghydrate
@@ -41,3 +42,8 @@ check-infra:
 bench-modes:
 	$(CARGO) build --release --locked -p pghydrate-cli
 	bash scripts/bench-modes.sh
+
+## The local twin: the real state machine, run by moto's ASL interpreter, drives the real Lambda
+## binaries (cargo lambda watch) against a real PostgreSQL (twin/test_scenarios.py).
+e2e: setup
+	bash twin/up.sh

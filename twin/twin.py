@@ -104,8 +104,9 @@ class Postgres:
 
 
 class Twin:
-    def __init__(self, workdir: Path, lambda_timeout: int, margin: int):
+    def __init__(self, workdir: Path, lambda_timeout: int, margin: int, mode: str = "auto"):
         self.workdir = workdir
+        self.mode = mode
         self.procs: list[subprocess.Popen] = []
         self.pg = Postgres(workdir)
         self.moto_port, self.control_port, self.shim_port, self.watch_port = (free_port() for _ in range(4))
@@ -113,8 +114,8 @@ class Twin:
         self.logs = workdir / "logs"
         self.logs.mkdir()
         self._start_moto()
-        self._start_watch(lambda_timeout, margin)
         self._create_resources()
+        self._start_watch(lambda_timeout, margin)
 
     # --- processes ---------------------------------------------------------------------------------------
     def _spawn(self, name, args, env=None, cwd=None):
@@ -139,6 +140,9 @@ class Twin:
             "AWS_SECRET_ACCESS_KEY": "twin",
             "AWS_REGION": REGION,
             "RUST_LOG": os.environ.get("PGHYDRATE_TWIN_RUST_LOG", "info"),
+            "PGHYDRATE_MODE": self.mode,
+            # As the template's SecretArn parameter: the deployment's default credentials.
+            "PGHYDRATE_SECRET_ARN": self.secret_arn,
             "PGHYDRATE_TLS": "prefer",  # the twin's PostgreSQL has no TLS: an explicit, logged choice
             "PGHYDRATE_MARGIN_SECONDS": str(margin),
             "PGHYDRATE_STATE_BUCKET": "pghydrate-twin-state",
@@ -208,11 +212,14 @@ class Twin:
     def describes(self) -> dict:
         return json.load(urllib.request.urlopen(f"http://127.0.0.1:{self.control_port}/describes"))
 
-    def run(self, execution_input, timeout: float = 600):
-        sfn = self.client("stepfunctions")
+    def start_execution(self, execution_input) -> str:
         self.runs = getattr(self, "runs", 0) + 1
-        arn = sfn.start_execution(stateMachineArn=self.state_machine, name=f"run-{self.runs}-{int(time.time())}",
-                                  input=json.dumps(execution_input))["executionArn"]
+        return self.client("stepfunctions").start_execution(
+            stateMachineArn=self.state_machine, name=f"run-{self.runs}-{int(time.time())}",
+            input=json.dumps(execution_input))["executionArn"]
+
+    def wait(self, arn: str, timeout: float = 600):
+        sfn = self.client("stepfunctions")
         end = time.time() + timeout
         while time.time() < end:
             d = sfn.describe_execution(executionArn=arn)
@@ -222,18 +229,35 @@ class Twin:
             time.sleep(0.5)
         raise TimeoutError(f"execution {arn} still running after {timeout}s")
 
+    def run(self, execution_input, timeout: float = 600):
+        return self.wait(self.start_execution(execution_input), timeout)
+
+    def run_many(self, inputs, timeout: float = 600):
+        """Starts every input at once (as EventBridge does on a repeated delivery), then waits for all."""
+        arns = [self.start_execution(i) for i in inputs]
+        return [self.wait(a, timeout) for a in arns]
+
+    @staticmethod
+    def report_of(history) -> dict:
+        """The Report state's output (the summary, also when the execution failed as incomplete)."""
+        for e in reversed(history):
+            d = e.get("stateExitedEventDetails")
+            if d and d.get("name") == "Report":
+                return json.loads(d["output"])
+        return {}
+
     def log_text(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.logs.iterdir())
 
     @classmethod
     @contextmanager
-    def start(cls, lambda_timeout: int = 120, margin: int = 10):
+    def start(cls, lambda_timeout: int = 120, margin: int = 10, mode: str = "auto"):
         workdir = Path(tempfile.mkdtemp(prefix="twin-", dir=HOME))
         if os.geteuid() == 0:
             shutil.chown(workdir, RUN_AS)
         twin = None
         try:
-            twin = cls(workdir, lambda_timeout, margin)
+            twin = cls(workdir, lambda_timeout, margin, mode)
             yield twin
         finally:
             if twin:

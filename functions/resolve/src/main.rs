@@ -73,12 +73,14 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
         }
     }
     if let (Some(arn), Some(started)) = (&event.payload.execution_arn, &event.payload.started) {
-        let me = Running {
-            name: event.payload.execution.clone(),
-            started_ms: pghydrate_lambda::epoch_ms(started)?,
-            subjects: ids_of(&trigger, &targets),
-        };
         let others = running_executions(&deps.sfn, arn, account.as_deref(), region.as_deref()).await?;
+        // Every execution must see the same start times: take our own from the same listing when it is
+        // there (the context's StartTime may be formatted with another precision).
+        let started_ms = match others.iter().find(|o| o.name == event.payload.execution) {
+            Some(o) => o.started_ms,
+            None => pghydrate_lambda::epoch_ms(started)?,
+        };
+        let me = Running { name: event.payload.execution.clone(), started_ms, subjects: ids_of(&trigger, &targets) };
         targets.retain(|t| {
             let subject = trigger.deployment.clone().unwrap_or_else(|| t.instance.clone());
             match owner_elsewhere(&me, &others, &subject) {

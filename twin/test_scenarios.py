@@ -1,0 +1,129 @@
+"""End-to-end scenarios on the local twin: the real state machine definition, executed by moto's ASL
+interpreter, drives the real Lambda binaries (cargo lambda watch) against a real PostgreSQL.
+Run with `make e2e` (part of `make test`)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from twin import PASSWORD, ROOT, Twin
+
+FIXTURES = ROOT / "tests" / "fixtures" / "events"
+
+
+def fixture(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def twin():
+    # Calls of at most 20 s (margin 5 s): every warm item that needs longer continues in a new call.
+    with Twin.start(lambda_timeout=20, margin=5, mode="buffer") as t:
+        t.pg.load_sample("app", 1)
+        t.pg.psql("CREATE EXTENSION pg_buffercache", db="app")
+        t.pg.psql("CREATE EXTENSION pg_buffercache")
+        yield t
+
+
+def history_text(history) -> str:
+    return json.dumps(history, default=str)
+
+
+def unbuffered_forks(pg, db: str) -> list:
+    """Forks of `db` with storage whose blocks are not all in shared_buffers (pg_buffercache)."""
+    rows = pg.psql(
+        """SELECT c.oid::regclass || ' ' || f.fork FROM pg_class c
+             CROSS JOIN (VALUES ('main', 0), ('fsm', 1), ('vm', 2), ('init', 3)) f(fork, num)
+            WHERE c.relkind IN ('r', 'i', 't', 'm', 'S') AND c.relpersistence <> 't'
+              AND pg_relation_size(c.oid, f.fork) > 0
+              AND (SELECT count(DISTINCT relblocknumber) FROM pg_buffercache b
+                    WHERE b.relfilenode = pg_relation_filenode(c.oid) AND b.relforknumber = f.num
+                      AND b.reldatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database())))
+                  < pg_relation_size(c.oid, f.fork) / current_setting('block_size')::int""",
+        db=db,
+    )
+    return [r for r in rows.splitlines() if r]
+
+
+def test_snapshot_restore_event_hydrates_every_block_and_waits_for_storage(twin):
+    twin.pg.restart()  # empty shared_buffers
+    twin.register_instance("orders-restored", script=[
+        {"status": "creating"}, {"status": "backing-up"}, {"status": "available"},
+        {"status": "available", "storage": "Initializing", "progress": 12},
+        {"status": "available", "storage": "Initializing", "progress": 57},
+        {"status": "available", "storage": "Initializing", "progress": 93},
+        {"status": "available"},
+    ])
+    d, history = twin.run(fixture("snapshot-restore-0043"))
+    assert d["status"] == "SUCCEEDED", (d.get("error"), twin.report_of(history))
+    out = json.loads(d["output"])
+    assert out["status"] == "complete" and out["trigger"] == "snapshot_restore"
+    inst = out["instances"][0]
+    assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 0, inst
+    assert inst["storage"]["state"] == "initialized"
+    # It waited through every scripted state: 3 readiness checks and 4 storage checks.
+    assert twin.describes()["scripts_left"]["orders-restored"] == 0
+    for db in ("app", "postgres"):
+        assert unbuffered_forks(twin.pg, db) == [], db
+
+
+def test_manual_start_with_overrides_and_a_malformed_one(twin):
+    twin.register_instance("manual-db")
+    d, _ = twin.run({"instance": "manual-db", "sessions": 2, "mode": "read", "maintenance": "none",
+                     "include_databases": ["app"], "exclude": ["public.documents"],
+                     "credentials": {"type": "secret", "arn": twin.secret_arn}})
+    assert d["status"] == "SUCCEEDED", (d.get("error"), twin.report_of(history) if "history" in dir() else None)
+    out = json.loads(d["output"])
+    inst = out["instances"][0]
+    assert inst["coverage"] == 1.0
+    assert inst["maintenance"] in (None, {"done": 0, "skipped": []}), inst["maintenance"]
+    d, history = twin.run({"instance": "manual-db", "sesions": 4})
+    assert d["status"] == "FAILED" and d["error"] == "InvalidInput", d
+    assert "sesions: unknown field" in d["cause"]
+
+
+def test_multi_az_conversion_only_polls_storage(twin):
+    twin.register_instance("multiaz-db", script=[
+        {"status": "available"},
+        {"status": "available", "storage": "Initializing", "progress": 30},
+        {"status": "available"},
+    ])
+    event = fixture("multi-az-conversion-0025")
+    event["detail"]["SourceArn"] = event["detail"]["SourceArn"].replace("orders-restored", "multiaz-db")
+    d, history = twin.run(event)
+    assert d["status"] == "SUCCEEDED", (d.get("error"), twin.report_of(history) if "history" in dir() else None)
+    inst = json.loads(d["output"])["instances"][0]
+    assert inst["outcome"] == "storage_only" and inst["storage"]["state"] == "initialized"
+    names = {e.get("stateEnteredEventDetails", {}).get("name") for e in history}
+    assert "PollStorage" in names
+    assert "Plan" not in names and "WarmInline" not in names, "no database session for a Multi-AZ conversion"
+
+
+def test_not_postgres_ends_cleanly_and_a_wrong_password_fails_named_without_leaking(twin):
+    twin.register_instance("mysql-db", engine="mysql")
+    d, _ = twin.run({"instance": "mysql-db"})
+    assert d["status"] == "SUCCEEDED", (d.get("error"), twin.report_of(history) if "history" in dir() else None)
+    assert "not PostgreSQL" in json.loads(d["output"])["reason"]
+
+    bad = twin.client("secretsmanager").create_secret(
+        Name="wrong-password", SecretString=json.dumps({"username": "postgres", "password": "Wr0ng-Passw0rd"}))["ARN"]
+    twin.register_instance("badpw-db")
+    d, history = twin.run({"instance": "badpw-db", "credentials": {"type": "secret", "arn": bad}})
+    assert d["status"] == "FAILED" and d["error"] == "HydrationIncomplete", d
+    text = history_text(history) + twin.log_text()
+    assert "AuthenticationFailed" in text
+    for secret in ("Wr0ng-Passw0rd", PASSWORD):
+        assert secret not in text, "a password appears in the execution history or the logs"
+
+
+def test_the_same_restore_event_delivered_twice_hydrates_once(twin):
+    twin.register_instance("twice-db", script=[{"status": "available"}] * 50)
+    event = fixture("snapshot-restore-0043")
+    event["detail"]["SourceArn"] = event["detail"]["SourceArn"].replace("orders-restored", "twice-db")
+    results = twin.run_many([event, event])
+    outputs = [json.loads(d["output"]) for d, _ in results if d["status"] == "SUCCEEDED"]
+    assert len(outputs) == 2, [d["status"] for d, _ in results]
+    hydrated = [o for o in outputs if o.get("status") == "complete"]
+    skipped = [o for o in outputs if o.get("status") == "skipped"]
+    assert len(hydrated) == 1 and len(skipped) == 1, outputs
+    assert "already being hydrated" in skipped[0]["reason"]
