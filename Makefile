@@ -26,6 +26,7 @@ test: setup
 	$(CARGO) build --locked -p pghydrate-cli
 	set -o pipefail; $(CARGO) test --workspace --locked 2>&1 | tee $(PGHYDRATE_HOME)/test.log
 	set -o pipefail; bash twin/up.sh 2>&1 | tee $(PGHYDRATE_HOME)/e2e.log
+	bash scripts/sam-build.sh
 	@awk '/^test result:/ { p += $$4; f += $$6 } FILENAME ~ /e2e.log$$/ && / passed/ && /in [0-9.]+s/ { for (i = 1; i < NF; i++) { if ($$(i+1) ~ /^passed/) p += $$i; if ($$(i+1) ~ /^failed/) f += $$i } } END { printf "%d passed, %d failed\n", p, f }' $(PGHYDRATE_HOME)/test.log $(PGHYDRATE_HOME)/e2e.log
 
 unit:

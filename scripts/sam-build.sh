@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# `sam build` of infra/template.yaml for x86_64 (cargo-lambda from the twin's venv, SAM CLI from the
+# infra venv), with build and cache directories outside the clone so repeated runs are incremental;
+# then checks that every function's bootstrap is an x86-64 executable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HOME_DIR=${PGHYDRATE_HOME:-/var/tmp/pghydrate}
+bash scripts/check-infra.sh >/dev/null   # installs the pinned SAM CLI
+[ -x "$HOME_DIR/twinvenv/bin/cargo-lambda" ] || { python3 -m venv "$HOME_DIR/twinvenv"; "$HOME_DIR/twinvenv/bin/pip" install -q -r twin/requirements.txt; }
+export PATH="$HOME_DIR/twinvenv/bin:$PATH" SAM_CLI_TELEMETRY=0
+BUILD=$HOME_DIR/sam-build
+"$HOME_DIR/venv/bin/sam" build --parameter-overrides Architecture=x86_64 \
+  --build-dir "$BUILD" --cache-dir "$HOME_DIR/sam-cache" >"$HOME_DIR/sam-build.log" 2>&1 \
+  || { tail -40 "$HOME_DIR/sam-build.log"; exit 1; }
+count=0
+for fn in Resolve Describe Plan Warm Maintain Report; do
+  f="$BUILD/${fn}Function/bootstrap"
+  file -b "$f" | grep -q "ELF 64-bit LSB .*x86-64" || { echo "sam build: $f is not an x86-64 executable"; exit 1; }
+  count=$((count + 1))
+done
+echo "✓ sam build: $count bootstrap binaries (x86_64) in $BUILD"
