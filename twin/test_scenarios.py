@@ -127,3 +127,30 @@ def test_the_same_restore_event_delivered_twice_hydrates_once(twin):
     skipped = [o for o in outputs if o.get("status") == "skipped"]
     assert len(hydrated) == 1 and len(skipped) == 1, outputs
     assert "already being hydrated" in skipped[0]["reason"]
+
+
+def test_pghydrate_start_wait_follows_the_execution_with_run_exit_codes(twin):
+    import os
+    import subprocess
+
+    binary = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug" / "pghydrate"
+    env = dict(os.environ, AWS_ENDPOINT_URL=twin.endpoint, AWS_ACCESS_KEY_ID="twin", AWS_SECRET_ACCESS_KEY="twin",
+               AWS_REGION="us-east-1", PGHYDRATE_STATE_MACHINE_ARN=twin.state_machine)
+    twin.register_instance("cli-db", script=[{"status": "available"}] * 20)
+    done = subprocess.run([str(binary), "start", "--instance", "cli-db", "--wait", "--poll-interval", "1s",
+                           "--include-database", "app", "--maintenance", "none"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["status"] == "complete" and summary["instances"][0]["coverage"] == 1.0
+
+    bad = twin.client("secretsmanager").create_secret(
+        Name="cli-wrong", SecretString=json.dumps({"username": "postgres", "password": "N0t-the-pw"}))["ARN"]
+    failed = subprocess.run([str(binary), "start", "--instance", "cli-db", "--wait", "--poll-interval", "1s",
+                             "--secret-arn", bad], env=env, capture_output=True, text=True, timeout=600)
+    assert failed.returncode == 4, (failed.returncode, failed.stderr)
+    assert "HydrationIncomplete" in failed.stderr and "N0t-the-pw" not in failed.stderr + failed.stdout
+
+    invalid = subprocess.run([str(binary), "start", "--instance", "1bad", "--wait"], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert invalid.returncode == 2 and "instance:" in invalid.stderr

@@ -455,7 +455,8 @@ async fn start(a: StartArgs) -> pghydrate::Result<i32> {
     let input = start_input(&a)?;
     let config = aws_config::load_defaults(aws_config::BehaviorVersion::latest()).await;
     let sfn = aws_sdk_sfn::Client::new(&config);
-    let execution = pghydrate::aws::start_execution(&sfn, &a.state_machine_arn, &input).await?;
+    let name = pghydrate::aws::execution_name(&a.instance, std::time::SystemTime::now());
+    let execution = pghydrate::aws::start_execution(&sfn, &a.state_machine_arn, &name, &input).await?;
     eprintln!("pghydrate: started {execution}");
     if !a.wait {
         println!("{execution}");
@@ -611,5 +612,8 @@ mod tests {
         let bad = super::Cli::try_parse_from(["pghydrate", "start", "--instance", "1-bad", "--state-machine-arn", "x"]).unwrap();
         let super::Command::Start(args) = bad.command else { panic!("not start") };
         assert!(super::start_input(&args).unwrap_err().to_string().contains("instance:"));
+        let name = pghydrate::aws::execution_name(&"a".repeat(63), std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_796_030_048));
+        assert_eq!(name, format!("hydrate-{}-20261130091408", "a".repeat(56)));
+        assert!(name.len() <= 80);
     }
 }

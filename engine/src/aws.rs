@@ -133,11 +133,20 @@ pub struct ExecutionView {
     pub cause: Option<String>,
 }
 
-/// Starts an execution with `input` (already validated); returns its ARN.
-pub async fn start_execution(sfn: &aws_sdk_sfn::Client, state_machine: &str, input: &serde_json::Value) -> Result<String> {
+/// An execution name that says what it hydrates: `hydrate-<instance>-<UTC time>` (at most 80 characters
+/// of letters, digits, hyphens, as Step Functions requires).
+pub fn execution_name(instance: &str, now: std::time::SystemTime) -> String {
+    let stamp: String = humantime::format_rfc3339_seconds(now).to_string().chars().filter(|c| c.is_ascii_digit()).collect();
+    let short: String = instance.chars().take(56).collect();
+    format!("hydrate-{short}-{stamp}")
+}
+
+/// Starts an execution named `name` with `input` (already validated); returns its ARN.
+pub async fn start_execution(sfn: &aws_sdk_sfn::Client, state_machine: &str, name: &str, input: &serde_json::Value) -> Result<String> {
     let out = sfn
         .start_execution()
         .state_machine_arn(state_machine)
+        .name(name)
         .input(input.to_string())
         .send()
         .await
