@@ -7,6 +7,8 @@ What moto lacks that the workflow needs, and nothing else:
   so "Initializing 10%, 55%, then absent" or "creating, then available" happen call by call.
 - Lambda tasks: moto's Step Functions interpreter invokes Lambda through its own (docker-based) Lambda;
   here its Lambda client points at the shim in front of `cargo lambda watch` (the real binaries).
+- A Distributed Map's ResultWriter: moto writes an empty manifest and drops the results (its own TODO);
+  here the results go to SUCCEEDED_0.json, listed in the manifest, as Step Functions writes them.
 - A control API for tests (POST /instance, GET /describes), on its own port.
 Blue/Green deployments (Create/DescribeBlueGreenDeployments) are moto's own.
 """
@@ -69,6 +71,34 @@ def _describe(self):
 
 
 RDSResponse.describe_db_instances = _describe
+
+from moto.stepfunctions.parser.asl.component.state.exec.state_map.result_writer.resource_eval import resource_eval_s3
+
+
+def _put_results(env, resource_runtime_part, state_credentials):
+    parameters = env.stack.pop()
+    results = env.stack.pop()
+    s3 = resource_eval_s3.ResourceEvalS3._get_s3_client(resource_runtime_part, state_credentials)
+    run = env.map_run_record_pool_manager.get_all().pop()
+    uuid = run.map_run_arn.split(":")[-1]
+    prefix = parameters.get("Prefix", "")
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    entries = [{"Output": json.dumps(r), "Status": "SUCCEEDED"} for r in (results or [])]
+    body = json.dumps(entries).encode()
+    results_key = f"{prefix}{uuid}/SUCCEEDED_0.json"
+    s3.put_object(Bucket=parameters["Bucket"], Key=results_key, Body=body)
+    manifest = {
+        "DestinationBucket": parameters["Bucket"],
+        "MapRunArn": run.map_run_arn,
+        "ResultFiles": {"FAILED": [], "PENDING": [], "SUCCEEDED": [{"Key": results_key, "Size": len(body)}]},
+    }
+    key = f"{prefix}{uuid}/manifest.json"
+    s3.put_object(Bucket=parameters["Bucket"], Key=key, Body=json.dumps(manifest).encode())
+    env.stack.append({"MapRunArn": run.map_run_arn, "ResultWriterDetails": {"Bucket": parameters["Bucket"], "Key": key}})
+
+
+resource_eval_s3.ResourceEvalS3._handle_put_object = staticmethod(_put_results)
 
 LAMBDA_URL = os.environ.get("PGHYDRATE_TWIN_LAMBDA_URL", "http://127.0.0.1:9002")
 

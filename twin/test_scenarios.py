@@ -154,3 +154,40 @@ def test_pghydrate_start_wait_follows_the_execution_with_run_exit_codes(twin):
     invalid = subprocess.run([str(binary), "start", "--instance", "1bad", "--wait"], env=env,
                              capture_output=True, text=True, timeout=60)
     assert invalid.returncode == 2 and "instance:" in invalid.stderr
+
+
+def test_blue_green_event_hydrates_the_green_instance(twin):
+    rds = twin.client("rds")
+    twin.register_instance("bg-blue")
+    blue_arn = rds.describe_db_instances(DBInstanceIdentifier="bg-blue")["DBInstances"][0]["DBInstanceArn"]
+    bgd = rds.create_blue_green_deployment(BlueGreenDeploymentName="orders-upgrade", Source=blue_arn)["BlueGreenDeployment"]
+    green = bgd["Target"].rsplit(":", 1)[-1]
+    assert green != "bg-blue"
+    twin.register_instance(green, create=False, script=[{"status": "available"}] * 10)
+    event = fixture("blue-green-created-0244")
+    event["detail"]["SourceArn"] = event["resources"][0] = (
+        f"arn:aws:rds:us-east-1:123456789012:deployment:{bgd['BlueGreenDeploymentIdentifier']}")
+    d, history = twin.run(event)
+    assert d["status"] == "SUCCEEDED", (d.get("error"), twin.report_of(history))
+    out = json.loads(d["output"])
+    assert out["trigger"] == "blue_green_created"
+    assert [i["instance"] for i in out["instances"]] == [green], "the green instance, not the blue one"
+    assert out["instances"][0]["coverage"] == 1.0
+
+
+def test_a_plan_over_the_inline_limit_goes_through_s3_and_a_distributed_map():
+    # Tiny work items (one 64-block range each) make the sample plan far larger than 40 items.
+    with Twin.start(lambda_timeout=20, margin=5, env={"PGHYDRATE_RANGE_BLOCKS": "64", "PGHYDRATE_ITEM_RANGES": "1"}) as t:
+        t.pg.load_sample("app", 1)
+        t.register_instance("big-plan", script=[{"status": "available"}] * 10)
+        d, history = t.run({"instance": "big-plan", "include_databases": ["app"], "maintenance": "none"})
+        assert d["status"] == "SUCCEEDED", (d.get("error"), t.report_of(history))
+        names = [e.get("stateEnteredEventDetails", {}).get("name") for e in history]
+        assert "WarmDistributed" in names and "WarmInline" not in names
+        keys = [o["Key"] for o in t.client("s3").list_objects_v2(Bucket="pghydrate-twin-state").get("Contents", [])]
+        assert any(k.endswith("/big-plan/items.json") for k in keys), keys
+        items = json.loads(t.client("s3").get_object(Bucket="pghydrate-twin-state",
+                                                     Key=next(k for k in keys if k.endswith("items.json")))["Body"].read())
+        assert len(items) > 40
+        inst = json.loads(d["output"])["instances"][0]
+        assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 0, inst

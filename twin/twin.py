@@ -104,9 +104,10 @@ class Postgres:
 
 
 class Twin:
-    def __init__(self, workdir: Path, lambda_timeout: int, margin: int, mode: str = "auto"):
+    def __init__(self, workdir: Path, lambda_timeout: int, margin: int, mode: str = "auto", env: dict | None = None):
         self.workdir = workdir
         self.mode = mode
+        self.extra_env = env or {}
         self.procs: list[subprocess.Popen] = []
         self.pg = Postgres(workdir)
         self.moto_port, self.control_port, self.shim_port, self.watch_port = (free_port() for _ in range(4))
@@ -152,6 +153,7 @@ class Twin:
             "PGHYDRATE_READY_LIMIT_MINUTES": "10",
             "PGHYDRATE_STORAGE_LIMIT_MINUTES": "10",
             "PGHYDRATE_CALL_SECONDS": str(lambda_timeout),
+            **self.extra_env,
         }
 
     def _start_watch(self, lambda_timeout: int, margin: int):
@@ -251,13 +253,13 @@ class Twin:
 
     @classmethod
     @contextmanager
-    def start(cls, lambda_timeout: int = 120, margin: int = 10, mode: str = "auto"):
+    def start(cls, lambda_timeout: int = 120, margin: int = 10, mode: str = "auto", env: dict | None = None):
         workdir = Path(tempfile.mkdtemp(prefix="twin-", dir=HOME))
         if os.geteuid() == 0:
             shutil.chown(workdir, RUN_AS)
         twin = None
         try:
-            twin = cls(workdir, lambda_timeout, margin, mode)
+            twin = cls(workdir, lambda_timeout, margin, mode, env)
             yield twin
         finally:
             if twin:
