@@ -191,3 +191,30 @@ def test_a_plan_over_the_inline_limit_goes_through_s3_and_a_distributed_map():
         assert len(items) > 40
         inst = json.loads(d["output"])["instances"][0]
         assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 0, inst
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("snapshot-restore-0008", "snapshot_restore"),
+    ("point-in-time-restore-0019", "point_in_time_restore"),
+    ("instance-created-0005", "instance_created"),
+    ("replica-ready-0046", "replica_ready"),
+])
+def test_every_other_trigger_event_starts_a_hydration(twin, name, kind):
+    ident = f"trig-{name.split('-')[-1]}"
+    twin.register_instance(ident, script=[{"status": "available"}] * 10)
+    event = fixture(name)
+    event["detail"]["SourceArn"] = event["detail"]["SourceArn"].replace("orders-restored", ident)
+    d, history = twin.run(event)
+    assert d["status"] == "SUCCEEDED", (d.get("error"), twin.report_of(history))
+    out = json.loads(d["output"])
+    assert out["trigger"] == kind and out["instances"][0]["instance"] == ident
+    assert out["instances"][0]["coverage"] == 1.0
+
+
+def test_an_instance_deleted_while_waiting_ends_with_a_named_error(twin):
+    twin.register_instance("doomed-db", script=[{"status": "creating"}, {"status": "deleting"}])
+    d, history = twin.run({"instance": "doomed-db"})
+    assert d["status"] == "FAILED" and d["error"] == "HydrationIncomplete", d
+    inst = twin.report_of(history)["instances"][0]
+    assert inst["outcome"] == "failed" and inst["error"]["Error"] == "InstanceNotUsable", inst
+    assert "deleting" in inst["error"]["Cause"]
