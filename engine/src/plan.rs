@@ -244,41 +244,6 @@ pub fn order_ranges(forks: &[ForkEntry], first: &[RelationPattern], range_blocks
     ranges
 }
 
-/// A unit of work for one worker: ranges of one database, at most `max_blocks` blocks unless a single
-/// range is larger. Used by the workflow's Map state; the CLI schedules ranges directly.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct WorkItem {
-    pub database: String,
-    pub ranges: Vec<BlockRange>,
-}
-
-impl WorkItem {
-    pub fn blocks(&self) -> u64 {
-        self.ranges.iter().map(BlockRange::blocks).sum()
-    }
-}
-
-/// Packs the plan's ranges, in order, into work items of at most `max_blocks` blocks each, never
-/// mixing databases within an item.
-pub fn pack_work_items(plan: &Plan, max_blocks: u64) -> Vec<WorkItem> {
-    let mut open: Vec<WorkItem> = Vec::new();
-    let mut done: Vec<WorkItem> = Vec::new();
-    for r in &plan.ranges {
-        let db = &plan.fork(r).database;
-        let slot = open.iter().position(|w| &w.database == db);
-        match slot {
-            Some(i) if open[i].blocks() + r.blocks() <= max_blocks => open[i].ranges.push(*r),
-            Some(i) => {
-                let full = std::mem::replace(&mut open[i], WorkItem { database: db.clone(), ranges: vec![*r] });
-                done.push(full);
-            }
-            None => open.push(WorkItem { database: db.clone(), ranges: vec![*r] }),
-        }
-    }
-    done.extend(open);
-    done
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

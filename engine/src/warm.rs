@@ -298,8 +298,7 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, Stri
                 return Ok(Session { database: db.to_string(), client, role: None, statement_timeout_ms: 0 })
             }
             Err(e) => {
-                let retryable = e.is_retryable() || matches!(e, Error::Connect { .. });
-                if !retryable || started.elapsed() >= s.opts.reconnect_for || s.deadline_near() {
+                if !e.is_retryable() || started.elapsed() >= s.opts.reconnect_for || s.deadline_near() {
                     return Err(e.to_string());
                 }
                 warn!(database = %db, error = %e, retry_in_ms = backoff.as_millis() as u64, "session lost; reconnecting");

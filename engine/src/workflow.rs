@@ -52,8 +52,6 @@ pub struct ItemTotals {
 /// Cuts a plan into work items of at most `max_blocks` blocks, `max_ranges` ranges and
 /// [`ITEM_LIMIT_BYTES`] serialized (one database per item), keeping the plan's reading order.
 pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec<WorkItem>> {
-    // Serialized size of an empty item, plus what each fork and range adds (plus a separator).
-    let json_len = |v: &dyn erased::Ser| v.len() + 1;
     let mut items: Vec<WorkItem> = Vec::new();
     let mut sizes: Vec<usize> = Vec::new();
     let mut open: BTreeMap<String, usize> = BTreeMap::new();
@@ -117,16 +115,9 @@ pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec
     Ok(items)
 }
 
-/// Serialized length of any serializable value (a tiny type-erasure for the size estimate above).
-mod erased {
-    pub trait Ser {
-        fn len(&self) -> usize;
-    }
-    impl<T: serde::Serialize> Ser for T {
-        fn len(&self) -> usize {
-            serde_json::to_vec(self).map(|v| v.len()).unwrap_or(0)
-        }
-    }
+/// Serialized length of a value plus a separator: what it adds to an item's JSON.
+fn json_len<T: Serialize>(v: &T) -> usize {
+    serde_json::to_vec(v).map(|b| b.len()).unwrap_or(0) + 1
 }
 
 fn blocks(item: &WorkItem) -> u64 {
