@@ -7,7 +7,7 @@ export CARGO_TARGET_DIR ?= $(PGHYDRATE_HOME)/target
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: setup build demo test e2e unit check-infra bench-modes clean-demo
+.PHONY: setup build demo test e2e twin-up twin-down unit check-infra bench-modes clean-demo
 
 setup:
 	bash scripts/setup.sh
@@ -48,3 +48,10 @@ bench-modes:
 ## binaries (cargo lambda watch) against a real PostgreSQL (twin/test_scenarios.py).
 e2e: setup
 	bash twin/up.sh
+
+## The twin left running (sample database, instance "orders-restored"); prints the commands to try it.
+twin-up: setup
+	bash twin/up.sh --up
+
+twin-down:
+	bash twin/up.sh --down

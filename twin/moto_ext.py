@@ -9,7 +9,11 @@ What moto lacks that the workflow needs, and nothing else:
   here its Lambda client points at the shim in front of `cargo lambda watch` (the real binaries).
 - A Distributed Map's ResultWriter: moto writes an empty manifest and drops the results (its own TODO);
   here the results go to SUCCEEDED_0.json, listed in the manifest, as Step Functions writes them.
-- A control API for tests (POST /instance, GET /describes), on its own port.
+- EventBridge targets that are state machines: moto delivers only to logs, SQS and buses; here a rule's
+  Step Functions target starts an execution with the event as input (asynchronously, as EventBridge does).
+- StartExecution without a name: AWS names the execution with a UUID; moto leaves it null (and so
+  $$.Execution.Name). EventBridge and the console start executions without a name.
+- A control API for tests (POST /instance, GET /describes, GET /deliveries), on its own port.
 Blue/Green deployments (Create/DescribeBlueGreenDeployments) are moto's own.
 """
 import json
@@ -126,8 +130,72 @@ def _boto_client_for(region, service, state_credentials=None):
 lambda_eval_utils.boto_client_for = _boto_client_for
 
 
+import uuid
+
+from moto.stepfunctions.parser.models import StepFunctionsParserBackend
+
+_orig_start_execution = StepFunctionsParserBackend.start_execution
+
+
+def _start_execution_named(self, state_machine_arn, name=None, execution_input=None, trace_header=None):
+    return _orig_start_execution(self, state_machine_arn, name or str(uuid.uuid4()), execution_input, trace_header)
+
+
+StepFunctionsParserBackend.start_execution = _start_execution_named
+
+from moto.events.models import Rule
+from moto.utilities.arns import parse_arn
+
+DELIVERIES: list = []  # {"rule", "target", "executionArn" | "error"} per EventBridge -> Step Functions delivery
+_orig_send_to_targets = Rule.send_to_targets
+
+
+def _start_execution(rule: str, target: dict, body: str):
+    sfn = boto3.client("stepfunctions", region_name=REGION_OF(target["Arn"]),
+                       endpoint_url=f"http://127.0.0.1:{os.environ['MOTO_PORT']}",
+                       aws_access_key_id="events", aws_secret_access_key="events")
+    record = {"rule": rule, "target": target["Arn"]}
+    try:
+        record["executionArn"] = sfn.start_execution(stateMachineArn=target["Arn"], input=body)["executionArn"]
+    except Exception as e:  # recorded for the test to see, as EventBridge's failed-invocation metric would
+        record["error"] = str(e)
+    with LOCK:
+        DELIVERIES.append(record)
+
+
+def REGION_OF(arn: str) -> str:
+    return arn.split(":")[3]
+
+
+def _send_to_targets(self, original_event, transform_input=True):
+    if not self.event_pattern.matches_event(original_event):
+        return
+    states = [t for t in self.targets if parse_arn(t["Arn"]).service == "states"]
+    for target in states:
+        if "InputTransformer" in target or "InputPath" in target:
+            raise NotImplementedError("moto_ext: Step Functions targets take the whole event or a constant Input")
+        event = {k: v for k, v in original_event.items() if k != "ingestion-time"}
+        when = event.get("time")
+        if not isinstance(when, str):  # moto keeps a timestamp; EventBridge sends RFC 3339
+            import datetime
+            when = when if isinstance(when, datetime.datetime) else datetime.datetime.fromtimestamp(float(when), datetime.timezone.utc)
+            event["time"] = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = target.get("Input") or json.dumps(event)
+        threading.Thread(target=_start_execution, args=(self.name, target, body), daemon=True).start()
+    others = [t for t in self.targets if t not in states]
+    if others:
+        saved, self.targets = self.targets, others
+        try:
+            _orig_send_to_targets(self, original_event, transform_input)
+        finally:
+            self.targets = saved
+
+
+Rule.send_to_targets = _send_to_targets
+
+
 class Control(BaseHTTPRequestHandler):
-    """POST /instance {"id", "address", "port", "script": [...]}; GET /describes."""
+    """POST /instance {"id", "address", "port", "script": [...]}; GET /describes; GET /deliveries."""
 
     def log_message(self, *args):
         pass
@@ -162,6 +230,9 @@ class Control(BaseHTTPRequestHandler):
         if self.path == "/describes":
             with LOCK:
                 return self._reply(200, {"describes": DESCRIBES, "scripts_left": {k: len(v["script"]) for k, v in INSTANCES.items()}})
+        if self.path == "/deliveries":
+            with LOCK:
+                return self._reply(200, {"deliveries": list(DELIVERIES)})
         return self._reply(404, {"error": self.path})
 
 

@@ -218,3 +218,126 @@ def test_an_instance_deleted_while_waiting_ends_with_a_named_error(twin):
     inst = twin.report_of(history)["instances"][0]
     assert inst["outcome"] == "failed" and inst["error"]["Error"] == "InstanceNotUsable", inst
     assert "deleting" in inst["error"]["Cause"]
+
+
+@pytest.fixture(scope="module")
+def slow_twin():
+    """A twin whose PostgreSQL gets 1% of one CPU (a real slowdown, cgroup): warming its 130 MiB table
+    takes several seconds per range, against calls that may work for only 7 s (margin 5 s)."""
+    with Twin.start(lambda_timeout=7, margin=5, mode="buffer", pg_conf={"shared_buffers": "512MB"}) as t:
+        t.pg.psql("CREATE DATABASE big")
+        t.pg.psql("CREATE TABLE big AS SELECT g AS id, md5(g::text) AS payload FROM generate_series(1, 1500000) g;"
+                  "CREATE INDEX big_id ON big (id); CREATE EXTENSION pg_buffercache", db="big")
+        t.pg.psql("VACUUM big", db="big")
+        t.pg.restart()  # empty shared_buffers
+        t.pg.limit_cpu(1)
+        yield t
+
+
+def warm_calls(history) -> list:
+    """Timestamps of every call of the Warm function (inline or distributed)."""
+    return [e["timestamp"] for e in history
+            if e.get("stateEnteredEventDetails", {}).get("name") in ("WarmItem", "DistributedWarmItem")]
+
+
+def test_a_tiny_deadline_on_a_large_table_continues_until_exactly_full_coverage(slow_twin):
+    t = slow_twin
+    t.register_instance("slow-db", script=[{"status": "available"}] * 10)
+    d, history = t.run({"instance": "slow-db", "include_databases": ["big"], "maintenance": "none"}, timeout=600)
+    assert d["status"] == "SUCCEEDED", (d.get("error"), t.report_of(history))
+    inst = json.loads(d["output"])["instances"][0]
+    # Exactly: every planned byte warmed once (a range counted twice would push warmed past total).
+    assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 100 << 20, inst
+    calls = warm_calls(history)
+    assert len(calls) >= 4, f"{len(calls)} Warm calls: the deadline should have forced continuations"
+    # The deadline cut ranges mid-statement, and they still ended (halved, in later calls).
+    assert "deadline cut a range" in t.log_text()
+    t.pg.unlimit_cpu()
+    assert unbuffered_forks(t.pg, "big") == []
+
+
+def test_the_database_restarted_during_the_warm_phase_still_ends_with_full_coverage(slow_twin):
+    import datetime
+    import time
+
+    t = slow_twin
+    t.pg.unlimit_cpu()
+    t.pg.restart()  # cold again
+    t.pg.limit_cpu(1)
+    t.register_instance("restart-db", script=[{"status": "available"}] * 10)
+    arn = t.start_execution({"instance": "restart-db", "include_databases": ["big"], "maintenance": "none"})
+    sfn = t.client("stepfunctions")
+    end = time.time() + 300
+    while not warm_calls(sfn.get_execution_history(executionArn=arn, maxResults=1000)["events"]):
+        assert time.time() < end, "the warm phase never started"
+        time.sleep(0.2)
+    time.sleep(1.5)  # sessions are reading ranges now
+    lost_before = t.log_text().count("session lost")
+    t.pg.unlimit_cpu()
+    t.pg.restart()
+    restarted = datetime.datetime.now(datetime.timezone.utc)
+    t.pg.limit_cpu(1)
+    d, history = t.wait(arn, timeout=600)
+    assert d["status"] == "SUCCEEDED", (d.get("error"), t.report_of(history))
+    inst = json.loads(d["output"])["instances"][0]
+    assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 100 << 20, inst
+    calls = warm_calls(history)
+    assert any(c < restarted for c in calls) and any(c > restarted for c in calls), calls
+    assert t.log_text().count("session lost") > lost_before, "the restart should have cut sessions mid-range"
+
+
+def test_the_templates_eventbridge_rules_start_one_run_per_restore_event_and_none_for_others(twin):
+    import time
+
+    assert sorted(twin.create_rules_from_template()) == ["GreenEnvironmentCreated", "InstanceRestored"]
+    twin.register_instance("eb-db", script=[{"status": "available"}] * 10)
+    restore, failover = (json.loads(json.dumps(fixture(f)).replace("orders-restored", "eb-db"))
+                         for f in ("snapshot-restore-0043", "failover-0049"))
+    before = len(twin.deliveries())
+    twin.put_event(failover)
+    twin.put_event(restore)
+    end = time.time() + 30
+    while len(twin.deliveries()) == before and time.time() < end:
+        time.sleep(0.2)
+    time.sleep(2)  # any further (wrong) delivery would have arrived by now
+    new = twin.deliveries()[before:]
+    assert len(new) == 1 and new[0]["rule"] == "InstanceRestored" and "executionArn" in new[0], new
+    d, history = twin.wait(new[0]["executionArn"])
+    assert d["status"] == "SUCCEEDED", (d.get("error"), d.get("cause"))
+    out = json.loads(d["output"])
+    assert out["trigger"] == "snapshot_restore" and out["instances"][0]["instance"] == "eb-db"
+    assert out["instances"][0]["coverage"] == 1.0
+
+
+def test_twin_up_prints_commands_that_work_and_twin_down_stops_everything():
+    import os
+    import subprocess
+    import time
+
+    from twin import HOME
+
+    up = subprocess.run(["bash", str(ROOT / "twin" / "up.sh"), "--up"], capture_output=True, text=True, timeout=600)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        commands = [line.strip() for line in up.stdout.splitlines() if line.startswith("  ")]
+        event_cmd = next(c for c in commands if " event " in c).split("#")[0].split()
+        listing = next(c for c in commands if c.split("#")[0].rstrip().endswith(" executions")).split("#")[0].split()
+        subprocess.run(event_cmd, check=True, capture_output=True, timeout=60)
+        end = time.time() + 300
+        while True:
+            out = subprocess.run(listing, check=True, capture_output=True, text=True, timeout=60).stdout
+            if "SUCCEEDED" in out or "FAILED" in out or time.time() > end:
+                break
+            time.sleep(1)
+        assert out.count("SUCCEEDED") == 1, out
+        pid = int((HOME / "twin-up" / "pid").read_text())
+    finally:
+        down = subprocess.run(["bash", str(ROOT / "twin" / "up.sh"), "--down"], capture_output=True, text=True,
+                              timeout=120)
+    assert down.returncode == 0 and "twin stopped" in down.stdout, down.stdout + down.stderr
+    try:
+        os.kill(pid, 0)
+        raise AssertionError("the twin's process is still running")
+    except ProcessLookupError:
+        pass
+    assert not (HOME / "twin-up" / "ready").exists()

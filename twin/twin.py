@@ -59,8 +59,9 @@ def wait_http(url: str, seconds: float = 60):
 class Postgres:
     """A PostgreSQL cluster on a free loopback port, run by the unprivileged user."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, conf: dict | None = None):
         self.dir = workdir / "pg"
+        self.cgroup: Path | None = None
         self.dir.mkdir(parents=True)
         (self.dir / "pw").write_text(PASSWORD)
         if os.geteuid() == 0:
@@ -71,12 +72,52 @@ class Postgres:
         with open(self.dir / "data" / "postgresql.auto.conf", "a") as f:
             f.write(f"listen_addresses = '127.0.0.1'\nunix_socket_directories = '{self.dir}'\nfsync = off\n"
                     "shared_buffers = 128MB\nautovacuum = off\n")
+            for k, v in (conf or {}).items():
+                f.write(f"{k} = '{v}'\n")
         self.port = free_port()
         self.start()
 
     def start(self):
         as_pg([str(PG_BIN / "pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-o",
                f"-p {self.port}", "-w", "start"])
+        if self.cgroup:
+            self._enter_cgroup()
+
+    def limit_cpu(self, percent: float):
+        """Slows the whole server down for real: its postmaster and every backend (children inherit the
+        cgroup) get `percent` of one CPU (cgroup v1 cpu controller; needs root). A warm that takes a
+        fraction of a second unthrottled then takes seconds, so short Lambda deadlines can be tested on
+        a table small enough to build quickly."""
+        if os.geteuid() != 0:
+            raise RuntimeError("limit_cpu needs root (cgroup); the twin's tests run as root in CI")
+        self.cgroup = Path(f"/sys/fs/cgroup/cpu/pghydrate-twin-{self.port}")
+        self.cgroup.mkdir(exist_ok=True)
+        (self.cgroup / "cpu.cfs_period_us").write_text("100000")
+        (self.cgroup / "cpu.cfs_quota_us").write_text(str(int(1000 * percent)))
+        self._enter_cgroup()
+
+    def unlimit_cpu(self):
+        """Lifts the CPU limit (the server stays in its cgroup), e.g. to check results quickly."""
+        if self.cgroup:
+            (self.cgroup / "cpu.cfs_quota_us").write_text("-1")
+
+    def _enter_cgroup(self):
+        postmaster = int((self.dir / "data" / "postmaster.pid").read_text().split()[0])
+        pids = [postmaster]
+        for task in Path(f"/proc/{postmaster}/task").iterdir():
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        for pid in pids:
+            try:
+                (self.cgroup / "cgroup.procs").write_text(str(pid))
+            except ProcessLookupError:
+                pass  # a backend that ended meanwhile
+
+    def release_cgroup(self):
+        if self.cgroup and self.cgroup.exists():
+            try:
+                self.cgroup.rmdir()
+            except OSError:
+                pass
 
     def stop(self, mode="fast"):
         subprocess.run((["runuser", "-u", RUN_AS, "--"] if os.geteuid() == 0 else [])
@@ -104,12 +145,13 @@ class Postgres:
 
 
 class Twin:
-    def __init__(self, workdir: Path, lambda_timeout: int, margin: int, mode: str = "auto", env: dict | None = None):
+    def __init__(self, workdir: Path, lambda_timeout: int, margin: int, mode: str = "auto", env: dict | None = None,
+                 pg_conf: dict | None = None):
         self.workdir = workdir
         self.mode = mode
         self.extra_env = env or {}
         self.procs: list[subprocess.Popen] = []
-        self.pg = Postgres(workdir)
+        self.pg = Postgres(workdir, pg_conf)
         self.moto_port, self.control_port, self.shim_port, self.watch_port = (free_port() for _ in range(4))
         self.endpoint = f"http://127.0.0.1:{self.moto_port}"
         self.logs = workdir / "logs"
@@ -178,6 +220,7 @@ class Twin:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, 9)
         self.pg.stop("immediate")
+        self.pg.release_cgroup()
 
     # --- AWS resources -----------------------------------------------------------------------------------
     def client(self, service):
@@ -210,6 +253,40 @@ class Twin:
         req = urllib.request.Request(f"http://127.0.0.1:{self.control_port}/instance", method="POST",
                                      data=json.dumps(body).encode())
         urllib.request.urlopen(req)
+
+    def create_rules_from_template(self) -> list:
+        """Creates the EventBridge rules that infra/template.yaml attaches to the state machine (its
+        EventBridgeRule events, patterns as written there), each targeting the twin's state machine."""
+        import yaml
+
+        class CfnLoader(yaml.SafeLoader):
+            pass
+
+        CfnLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+        template = yaml.load((ROOT / "infra" / "template.yaml").read_text(), Loader=CfnLoader)
+        events = self.client("events")
+        names = []
+        for res in template["Resources"].values():
+            if res["Type"] != "AWS::Serverless::StateMachine":
+                continue
+            for name, ev in (res["Properties"].get("Events") or {}).items():
+                assert ev["Type"] == "EventBridgeRule", ev
+                events.put_rule(Name=name, EventPattern=json.dumps(ev["Properties"]["Pattern"]))
+                events.put_targets(Rule=name, Targets=[{"Id": "hydrate", "Arn": self.state_machine,
+                                                         "RoleArn": f"arn:aws:iam::{ACCOUNT}:role/pghydrate-twin-events"}])
+                names.append(name)
+        return names
+
+    def put_event(self, event: dict):
+        """Delivers an event to the default bus, as RDS does (source, detail-type, resources, detail)."""
+        r = self.client("events").put_events(Entries=[{
+            "Source": event["source"], "DetailType": event["detail-type"], "Resources": event.get("resources", []),
+            "Detail": json.dumps(event["detail"])}])
+        assert r["FailedEntryCount"] == 0, r
+
+    def deliveries(self) -> list:
+        """Every EventBridge -> Step Functions delivery so far (moto_ext)."""
+        return json.load(urllib.request.urlopen(f"http://127.0.0.1:{self.control_port}/deliveries"))["deliveries"]
 
     def describes(self) -> dict:
         return json.load(urllib.request.urlopen(f"http://127.0.0.1:{self.control_port}/describes"))
@@ -253,13 +330,14 @@ class Twin:
 
     @classmethod
     @contextmanager
-    def start(cls, lambda_timeout: int = 120, margin: int = 10, mode: str = "auto", env: dict | None = None):
+    def start(cls, lambda_timeout: int = 120, margin: int = 10, mode: str = "auto", env: dict | None = None,
+              pg_conf: dict | None = None):
         workdir = Path(tempfile.mkdtemp(prefix="twin-", dir=HOME))
         if os.geteuid() == 0:
             shutil.chown(workdir, RUN_AS)
         twin = None
         try:
-            twin = cls(workdir, lambda_timeout, margin, mode, env)
+            twin = cls(workdir, lambda_timeout, margin, mode, env, pg_conf)
             yield twin
         finally:
             if twin:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the twin's tooling (pinned, twin/requirements.txt) into $PGHYDRATE_HOME/twinvenv, builds the
 # Lambda binaries, and runs the end-to-end scenarios (`make e2e`). Extra arguments go to pytest.
+#   twin/up.sh --up     brings the twin up in the background and prints how to use it (`make twin-up`)
+#   twin/up.sh --down   stops it (`make twin-down`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HOME_DIR=${PGHYDRATE_HOME:-/var/tmp/pghydrate}
@@ -10,6 +12,20 @@ if ! "$VENV/bin/python" -c "import moto, pytest; assert moto.__version__ == '5.2
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q -r twin/requirements.txt
 fi
+[ "${1:-}" = --down ] && exec "$VENV/bin/python" twin/session.py down
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME_DIR/target}
 cargo build --locked --workspace
 cd twin
+STATE=$HOME_DIR/twin-up
+if [ "${1:-}" = --up ]; then
+  [ -e "$STATE/ready" ] && { cat "$STATE/commands"; exit 0; }
+  mkdir -p "$STATE"
+  setsid nohup "$VENV/bin/python" session.py up >"$STATE/session.log" 2>&1 < /dev/null &
+  for _ in $(seq 300); do
+    [ -e "$STATE/ready" ] && { cat "$STATE/commands"; exit 0; }
+    kill -0 $! 2>/dev/null || { cat "$STATE/session.log"; exit 1; }
+    sleep 1
+  done
+  echo "the twin did not come up in 300 s; see $STATE/session.log"; exit 1
+fi
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider test_scenarios.py "$@"

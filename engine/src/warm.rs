@@ -221,6 +221,16 @@ impl Shared {
         q.in_flight -= 1;
     }
 
+    /// Puts a range back as two halves, first in the queue.
+    fn split_front(&self, task: Task) {
+        let range = task.range;
+        let mid = range.first + range.blocks() / 2;
+        let mut q = self.queue.lock().unwrap();
+        q.tasks.push_front(Task { range: BlockRange { first: mid, ..range }, ..task.clone() });
+        q.tasks.push_front(Task { range: BlockRange { last: mid - 1, ..range }, ..task });
+        q.in_flight -= 1;
+    }
+
     fn finish(&self) {
         self.queue.lock().unwrap().in_flight -= 1;
     }
@@ -422,19 +432,20 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
         }
         Err(e) if e.code() == Some(&SqlState::QUERY_CANCELED) => {
             if capped_by_deadline {
-                // The deadline cut the call short: the range is unfinished, not failed.
-                s.requeue(task, true);
+                // The deadline cut the call short: the range is unfinished, not failed. It goes back
+                // halved, so that a range longer than any call's window still ends: later calls finish
+                // the smaller pieces (a whole range cut by every call would never finish).
+                if range.blocks() > 1 {
+                    info!(relation = %fork.name, blocks = range.blocks(), "deadline cut a range; it continues halved");
+                    s.split_front(task);
+                } else {
+                    s.requeue(task, true);
+                }
                 return true;
             }
             if range.blocks() > 1 {
-                let mid = range.first + range.blocks() / 2;
-                let lo = BlockRange { last: mid - 1, ..range };
-                let hi = BlockRange { first: mid, ..range };
                 info!(relation = %fork.name, blocks = range.blocks(), "statement timeout; splitting the range");
-                let mut q = s.queue.lock().unwrap();
-                q.tasks.push_front(Task { range: hi, ..task.clone() });
-                q.tasks.push_front(Task { range: lo, ..task });
-                q.in_flight -= 1;
+                s.split_front(task);
             } else {
                 s.skip(range, SkipReason::StatementTimeout, describe(&e), None);
             }
