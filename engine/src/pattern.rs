@@ -20,7 +20,9 @@ impl RelationPattern {
         }
         let (database, relation) = match t.split_once(':') {
             Some((d, r)) if !d.is_empty() && !r.is_empty() => (Some(d.to_string()), r.to_string()),
-            Some(_) => return Err(Error::InvalidInput(format!("relation pattern {t:?} is not [database:]schema.table"))),
+            Some(_) => {
+                return Err(Error::InvalidInput(format!("relation pattern {t:?} is not [database:]schema.table")))
+            }
             None => (None, t.to_string()),
         };
         Ok(RelationPattern { text: t.to_string(), database, relation })

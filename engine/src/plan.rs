@@ -212,17 +212,11 @@ pub fn split_blocks(blocks: u64, range_blocks: u64) -> Vec<(u64, u64)> {
 /// that no giant relation is the tail: its ranges are spread over every session), then the small
 /// forks grouped by database (so that sessions do not hop between databases), largest first.
 pub fn order_ranges(forks: &[ForkEntry], first: &[RelationPattern], range_blocks: u64) -> Vec<BlockRange> {
-    let mut readable: Vec<(usize, &ForkEntry)> = forks
-        .iter()
-        .enumerate()
-        .filter(|(_, f)| f.planned_skip.is_none() && !f.excluded && f.blocks > 0)
-        .collect();
+    let mut readable: Vec<(usize, &ForkEntry)> =
+        forks.iter().enumerate().filter(|(_, f)| f.planned_skip.is_none() && !f.excluded && f.blocks > 0).collect();
     let priority = |f: &ForkEntry| -> usize {
         let (schema, table) = f.table.split_once('.').unwrap_or(("", &f.table));
-        first
-            .iter()
-            .position(|p| p.matches(&f.database, schema, table))
-            .unwrap_or(first.len())
+        first.iter().position(|p| p.matches(&f.database, schema, table)).unwrap_or(first.len())
     };
     readable.sort_by(|(ia, a), (ib, b)| {
         let pa = priority(a);

@@ -45,10 +45,8 @@ pub struct RunOptions {
 /// The session count actually used: at most the request, and at most half of the connection slots
 /// free when the plan was made (never fewer than one). Returns a warning when it had to cap.
 pub fn effective_sessions(requested: u32, server: &ServerInfo) -> (u32, Option<String>) {
-    let free = server
-        .max_connections
-        .saturating_sub(server.reserved_connections)
-        .saturating_sub(server.connections_in_use);
+    let free =
+        server.max_connections.saturating_sub(server.reserved_connections).saturating_sub(server.connections_in_use);
     let cap = (free / 2).max(1);
     if requested > cap {
         (

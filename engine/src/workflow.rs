@@ -291,7 +291,9 @@ impl Defaults {
             }
         }
         let get: &dyn Fn(&str) -> Option<String> = &get;
-        let text = |name: &str, default: &str| get(name).filter(|v| !v.trim().is_empty()).unwrap_or_else(|| default.to_string());
+        let text = |name: &str, default: &str| {
+            get(name).filter(|v| !v.trim().is_empty()).unwrap_or_else(|| default.to_string())
+        };
         let required_tag = match get("PGHYDRATE_REQUIRED_TAG").filter(|v| !v.trim().is_empty()) {
             None => None,
             Some(t) => match t.split_once('=') {
@@ -331,7 +333,12 @@ impl Defaults {
             None,
         )
         .map_err(|e| Error::InvalidInput(format!("PGHYDRATE_* defaults: {e}")))?;
-        if d.range_blocks == 0 || d.item_blocks == 0 || d.item_ranges == 0 || d.ready_poll_seconds == 0 || d.storage_poll_seconds == 0 {
+        if d.range_blocks == 0
+            || d.item_blocks == 0
+            || d.item_ranges == 0
+            || d.ready_poll_seconds == 0
+            || d.storage_poll_seconds == 0
+        {
             return Err(Error::InvalidInput("PGHYDRATE_* sizes and intervals must be positive".into()));
         }
         Ok(d)
@@ -388,7 +395,8 @@ impl RunConfig {
     }
 
     pub fn plan_options(&self, lock_attempts: u32) -> Result<crate::catalog::PlanOptions> {
-        let pats = |v: &Vec<String>| v.iter().map(|p| crate::pattern::RelationPattern::parse(p)).collect::<Result<Vec<_>>>();
+        let pats =
+            |v: &Vec<String>| v.iter().map(|p| crate::pattern::RelationPattern::parse(p)).collect::<Result<Vec<_>>>();
         Ok(crate::catalog::PlanOptions {
             include_databases: self.include_databases.clone(),
             exclude_databases: self.exclude_databases.clone(),
@@ -520,7 +528,11 @@ pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanS
         databases: plan
             .databases
             .iter()
-            .map(|d| crate::report::DatabaseReport { name: d.name.clone(), outcome: d.outcome.clone(), reason: d.reason.clone() })
+            .map(|d| crate::report::DatabaseReport {
+                name: d.name.clone(),
+                outcome: d.outcome.clone(),
+                reason: d.reason.clone(),
+            })
             .collect(),
         forks: live.len(),
         total_bytes: live.iter().map(|f| f.blocks * bs).sum(),
@@ -604,7 +616,10 @@ mod tests {
         for s in TERMINAL_STATES {
             assert_eq!(ready_state(&view(s, None, None)).0, "failed", "{s}");
         }
-        assert_eq!(storage_state(&view("available", Some("Initializing"), Some(37))), ("initializing", "db1: Initializing 37%".into(), Some(37)));
+        assert_eq!(
+            storage_state(&view("available", Some("Initializing"), Some(37))),
+            ("initializing", "db1: Initializing 37%".into(), Some(37))
+        );
         assert_eq!(storage_state(&view("available", None, None)).0, "initialized");
         assert_eq!(storage_state(&view("deleting", Some("Initializing"), Some(3))).0, "failed");
     }
@@ -628,7 +643,10 @@ mod tests {
 
     #[test]
     fn secrets_are_checked_without_quoting_them() {
-        assert_eq!(credentials_from_secret(r#"{"username":"u","password":"p4ss","engine":"postgres"}"#).unwrap(), ("u".into(), "p4ss".into()));
+        assert_eq!(
+            credentials_from_secret(r#"{"username":"u","password":"p4ss","engine":"postgres"}"#).unwrap(),
+            ("u".into(), "p4ss".into())
+        );
         for (text, want) in [
             ("p4ss-not-json", "not JSON"),
             (r#"{"username":"u"}"#, "no \"password\""),

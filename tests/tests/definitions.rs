@@ -57,10 +57,7 @@ fn every_placeholder_is_substituted_and_none_is_unused() {
 fn every_function_the_template_builds_is_a_crate_of_the_workspace() {
     let template = read("infra/template.yaml");
     let workspace = read("Cargo.toml");
-    let binaries: Vec<&str> = template
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("Binary: "))
-        .collect();
+    let binaries: Vec<&str> = template.lines().filter_map(|l| l.trim().strip_prefix("Binary: ")).collect();
     assert_eq!(binaries.len(), 6, "{binaries:?}");
     for b in binaries {
         assert!(workspace.contains(&format!("\"functions/{b}\"")), "functions/{b} is not a workspace member");

@@ -51,7 +51,8 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let todo = match r.state.and_then(|s| s.state) {
         Some(t) => t,
         None => {
-            let exclude: Vec<RelationPattern> = r.run.exclude.iter().filter_map(|p| RelationPattern::parse(p).ok()).collect();
+            let exclude: Vec<RelationPattern> =
+                r.run.exclude.iter().filter_map(|p| RelationPattern::parse(p).ok()).collect();
             let databases: Vec<String> =
                 r.databases.iter().filter(|d| d.outcome == "planned").map(|d| d.name.clone()).collect();
             targets(&spec, &databases, |db, qualified| {

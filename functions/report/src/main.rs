@@ -47,9 +47,12 @@ struct Summary {
 /// Item summaries from an inline Map (an array) or from a Distributed Map's result files in S3.
 async fn item_summaries(aws: &Aws, warmed: &Value) -> Result<Vec<ItemSummary>, Error> {
     if let Some(list) = warmed.as_array() {
-        return serde_json::from_value(Value::Array(list.clone())).map_err(|e| Error::InvalidInput(format!("warm results: {e}")));
+        return serde_json::from_value(Value::Array(list.clone()))
+            .map_err(|e| Error::InvalidInput(format!("warm results: {e}")));
     }
-    let Some(details) = warmed.get("distributed_results") else { return Ok(vec![]) };
+    let Some(details) = warmed.get("distributed_results") else {
+        return Ok(vec![]);
+    };
     let bucket = details["Bucket"].as_str().unwrap_or_default();
     let manifest_key = details["Key"].as_str().unwrap_or_default();
     let manifest: Value = serde_json::from_slice(&pghydrate::aws::get_bytes(&aws.s3, bucket, manifest_key).await?)
@@ -139,7 +142,10 @@ async fn handler(aws: &Aws, event: LambdaEvent<Request>) -> Result<Summary, Fail
     Ok(Summary {
         status: if complete { "complete" } else { "incomplete" }.into(),
         execution: r.run.execution.clone(),
-        trigger: serde_json::to_value(r.run.trigger.kind).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+        trigger: serde_json::to_value(r.run.trigger.kind)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
         coverage: if live == 0 { 1.0 } else { warmed as f64 / live as f64 },
         total_bytes: total,
         warmed_bytes: warmed,

@@ -3,7 +3,7 @@
 
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
 use pghydrate::events::{parse_input, InputError, TriggerKind};
-use pghydrate::workflow::{owner_elsewhere, qualifies, Defaults, Running, RunConfig, Target};
+use pghydrate::workflow::{owner_elsewhere, qualifies, Defaults, RunConfig, Running, Target};
 use pghydrate::Error;
 use pghydrate_lambda::{init_tracing, Aws, Failure};
 use serde::{Deserialize, Serialize};
@@ -65,8 +65,7 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
             Ok(()) => targets.push(Target { instance: id, reads_blocks: reads, sessions: run_config.sessions }),
             // A manual start names its instance: a mismatch there is the user's error, not a filter.
             Err(why) if trigger.kind == TriggerKind::Manual && !why.contains("PostgreSQL") => {
-                tracing::warn!(%why, "manual start overrides the instance filter")
-                ;
+                tracing::warn!(%why, "manual start overrides the instance filter");
                 targets.push(Target { instance: id, reads_blocks: reads, sessions: run_config.sessions })
             }
             Err(why) => reasons.push(why),
@@ -116,7 +115,8 @@ async fn running_executions(
     region: Option<&str>,
 ) -> Result<Vec<Running>, Error> {
     use aws_sdk_sfn::types::ExecutionStatus;
-    let aws_err = |ctx: &str, e: String| Error::Aws { context: ctx.into(), reason: e.clone(), throttled: e.contains("Throttl") };
+    let aws_err =
+        |ctx: &str, e: String| Error::Aws { context: ctx.into(), reason: e.clone(), throttled: e.contains("Throttl") };
     // arn:aws:states:REGION:ACCOUNT:execution:MACHINE:NAME -> arn:aws:states:REGION:ACCOUNT:stateMachine:MACHINE
     let parts: Vec<&str> = execution_arn.split(':').collect();
     if parts.len() < 8 || parts[5] != "execution" {
@@ -132,7 +132,8 @@ async fn running_executions(
         .items()
         .send();
     while let Some(item) = pages.next().await {
-        let item = item.map_err(|e| aws_err("ListExecutions", format!("{}", aws_sdk_sfn::error::DisplayErrorContext(e))))?;
+        let item =
+            item.map_err(|e| aws_err("ListExecutions", format!("{}", aws_sdk_sfn::error::DisplayErrorContext(e))))?;
         let described = sfn
             .describe_execution()
             .execution_arn(item.execution_arn())

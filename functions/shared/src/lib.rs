@@ -31,9 +31,7 @@ impl From<Failure> for Diagnostic {
 pub fn init_tracing() {
     tracing_subscriber::fmt()
         .json()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_ansi(false)
         .with_current_span(false)
         .without_time()
@@ -102,7 +100,10 @@ impl DbConfig {
         };
         let tls: TlsMode = var("PGHYDRATE_TLS").as_deref().unwrap_or("verify-full").parse()?;
         if tls == TlsMode::Disable || tls == TlsMode::Prefer || tls == TlsMode::Require {
-            tracing::warn!(tls = tls.as_str(), "PGHYDRATE_TLS is weaker than verify-full: the server's certificate is not checked");
+            tracing::warn!(
+                tls = tls.as_str(),
+                "PGHYDRATE_TLS is weaker than verify-full: the server's certificate is not checked"
+            );
         }
         Ok(DbConfig {
             tls,
@@ -142,7 +143,8 @@ impl DbConfig {
 /// valid 15 minutes, longer than any Lambda invocation). It is a password: never logged.
 async fn iam_token(aws: &Aws, endpoint: &Endpoint, user: &str) -> Result<String, Error> {
     use aws_sdk_rds::auth_token::{AuthTokenGenerator, Config};
-    let region = aws.sdk.region().cloned().ok_or_else(|| Error::InvalidInput("no AWS region for IAM authentication".into()))?;
+    let region =
+        aws.sdk.region().cloned().ok_or_else(|| Error::InvalidInput("no AWS region for IAM authentication".into()))?;
     let config = Config::builder()
         .hostname(&endpoint.address)
         .port(endpoint.port as u64)
@@ -150,10 +152,11 @@ async fn iam_token(aws: &Aws, endpoint: &Endpoint, user: &str) -> Result<String,
         .region(region)
         .build()
         .map_err(|e| Error::InvalidInput(format!("IAM token configuration: {e}")))?;
-    let token = AuthTokenGenerator::new(config)
-        .auth_token(&aws.sdk)
-        .await
-        .map_err(|e| Error::Aws { context: "signing an IAM database token".into(), reason: e.to_string(), throttled: false })?;
+    let token = AuthTokenGenerator::new(config).auth_token(&aws.sdk).await.map_err(|e| Error::Aws {
+        context: "signing an IAM database token".into(),
+        reason: e.to_string(),
+        throttled: false,
+    })?;
     Ok(token.as_str().to_string())
 }
 

@@ -28,7 +28,11 @@ struct Deps {
 
 async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, Failure> {
     let until = deadline(&event.context);
-    tracing::debug!(deadline_ms = event.context.deadline, time_left_ms = until.saturating_duration_since(std::time::Instant::now()).as_millis() as u64, "call started");
+    tracing::debug!(
+        deadline_ms = event.context.deadline,
+        time_left_ms = until.saturating_duration_since(std::time::Instant::now()).as_millis() as u64,
+        "call started"
+    );
     let Request { target, run, endpoint, mut item } = event.payload;
     let spec = deps.db.connect_spec(&deps.aws, &run, &endpoint).await?;
     let mut opts = call_options(until, deps.db.margin);
