@@ -55,7 +55,7 @@ echo -e "version\tstorage\tmode\tsessions\trange_blocks\trep\tbytes\tseconds\tMi
 measure() {  # version port throttle mode sessions range_blocks rep
   local v=$1 port=$2 thr=$3 mode=$4 s=$5 rb=$6 rep=$7
   stop_pg "$v"; sync; echo 3 > /proc/sys/vm/drop_caches; start_pg "$v" "$port" "$thr"
-  PGPASSWORD=$PW "$BIN" run "postgresql://postgres@127.0.0.1:$port/postgres" -q --progress none \
+  PGPASSWORD=$PW "$BIN" run "postgresql://postgres@127.0.0.1:$port/postgres" --tls disable -q --progress none \
     --include-database bench --maintenance none --mode "$mode" --sessions "$s" --range-blocks "$rb" \
     --report "$B/r.json" >/dev/null
   python3 - "$B/r.json" "$v" "$thr" "$mode" "$s" "$rb" "$rep" >> "$out" <<'PY'

@@ -54,9 +54,10 @@ echo "demo: making it cold: restarting PostgreSQL (empty shared_buffers) and evi
 as_pg "$PGBIN/pg_ctl" -D "$DEMO/data" -l "$DEMO/log" -o "-p $PORT" -w start >/dev/null
 python3 scripts/pagecache.py evict "$DEMO/data/base" "$DEMO/data/global"
 echo "demo: page cache residency before:$(residency)"
-echo "demo: running: pghydrate run postgresql://postgres:***@127.0.0.1:$PORT/postgres --report $DEMO/report.json $*"
+echo "demo: running: pghydrate run postgresql://postgres:***@127.0.0.1:$PORT/postgres --tls disable --report $DEMO/report.json $*"
 set +e
-PGPASSWORD=$PASSWORD "$BIN" run "postgresql://postgres@127.0.0.1:$PORT/postgres" --report "$DEMO/report.json" "$@"
+# The demo server has no TLS: connecting unencrypted is an explicit choice (and logs a warning).
+PGPASSWORD=$PASSWORD "$BIN" run "postgresql://postgres@127.0.0.1:$PORT/postgres" --tls disable --report "$DEMO/report.json" "$@"
 code=$?
 set -e
 echo "demo: page cache residency after:$(residency) (templates are not hydrated: nobody connects to them)"

@@ -23,6 +23,8 @@ def twin():
         t.pg.psql("CREATE EXTENSION pg_buffercache", db="app")
         t.pg.psql("CREATE EXTENSION pg_buffercache")
         yield t
+        # After every scenario of the module: the database password is in no output of the twin.
+        assert t.places_containing(PASSWORD) == []
 
 
 def history_text(history) -> str:
@@ -232,6 +234,7 @@ def slow_twin():
         t.pg.restart()  # empty shared_buffers
         t.pg.limit_cpu(1)
         yield t
+        assert t.places_containing(PASSWORD) == []
 
 
 def warm_calls(history) -> list:
@@ -341,3 +344,19 @@ def test_twin_up_prints_commands_that_work_and_twin_down_stops_everything():
     except ProcessLookupError:
         pass
     assert not (HOME / "twin-up" / "ready").exists()
+
+
+def test_an_instance_that_does_not_exist_fails_named_and_a_secret_that_is_not_json_too(twin):
+    d, history = twin.run({"instance": "no-such-db", "maintenance": "none"})
+    assert d["status"] == "FAILED" and d["error"] == "InstanceNotFound", (d["error"], d.get("cause"))
+    assert "no-such-db" in d["cause"]
+    names = {e.get("stateEnteredEventDetails", {}).get("name") for e in history}
+    assert "Plan" not in names and "WaitReady" not in names, "nothing started"
+
+    not_json = twin.client("secretsmanager").create_secret(Name="not-json", SecretString="user=postgres pw=Xy-9-secret")["ARN"]
+    twin.register_instance("notjson-db")
+    d, history = twin.run({"instance": "notjson-db", "credentials": {"type": "secret", "arn": not_json}})
+    assert d["status"] == "FAILED" and d["error"] == "HydrationIncomplete", d
+    inst = twin.report_of(history)["instances"][0]
+    assert "not JSON" in inst["error"]["Cause"], inst
+    assert twin.places_containing("Xy-9-secret") == []

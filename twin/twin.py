@@ -325,6 +325,25 @@ class Twin:
                 return json.loads(d["output"])
         return {}
 
+    def places_containing(self, secret: str) -> list:
+        """Every output of the twin that contains `secret`: each execution's input, output and history,
+        every object in the state bucket, every log (moto, cargo lambda watch and so the Lambdas)."""
+        found = []
+        sfn = self.client("stepfunctions")
+        for e in sfn.list_executions(stateMachineArn=self.state_machine, maxResults=1000)["executions"]:
+            d = sfn.describe_execution(executionArn=e["executionArn"])
+            history = sfn.get_execution_history(executionArn=e["executionArn"], maxResults=1000)["events"]
+            if secret in json.dumps(d, default=str) + json.dumps(history, default=str):
+                found.append(f"execution {e['name']}")
+        s3 = self.client("s3")
+        for o in s3.list_objects_v2(Bucket="pghydrate-twin-state").get("Contents", []):
+            if secret.encode() in s3.get_object(Bucket="pghydrate-twin-state", Key=o["Key"])["Body"].read():
+                found.append(f"s3://pghydrate-twin-state/{o['Key']}")
+        for log in self.logs.iterdir():
+            if secret in log.read_text(errors="replace"):
+                found.append(str(log))
+        return found
+
     def log_text(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.logs.iterdir())
 

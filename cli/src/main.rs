@@ -19,7 +19,11 @@ use pghydrate::warm::{Counters, Mode, WarmOptions};
 use pghydrate::{ConnectionSpec, Error, TlsMode};
 
 #[derive(Parser)]
-#[command(name = "pghydrate", version, about = "Read every block of every PostgreSQL relation, verifiably, so a restored volume is fast before traffic finds it slow")]
+#[command(
+    name = "pghydrate",
+    version,
+    about = "Read every block of every PostgreSQL relation, verifiably, so a restored volume is fast before traffic finds it slow"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -312,8 +316,18 @@ fn spec_of(conn: &ConnArgs, t: &TimeoutArgs) -> pghydrate::Result<ConnectionSpec
             spec.with_tls(mode, conn.ca_file.clone())
         }
     };
-    if spec.tls_mode() == TlsMode::Disable {
-        tracing::warn!("TLS is disabled: the session, including the password exchange, is not encrypted");
+    match spec.tls_mode() {
+        _ if spec.is_local_socket() => {}
+        TlsMode::Disable => {
+            tracing::warn!(
+                "TLS is disabled (sslmode=disable): the sessions, including the password exchange, are not encrypted"
+            )
+        }
+        TlsMode::Prefer | TlsMode::Require => tracing::warn!(
+            "sslmode={}: the server's certificate is not checked (verify-full, the default, checks it)",
+            spec.tls_mode().as_str()
+        ),
+        TlsMode::VerifyCa | TlsMode::VerifyFull => {}
     }
     Ok(spec)
 }
@@ -486,11 +500,7 @@ async fn drive(
     default_continuation: &Path,
 ) -> pghydrate::Result<i32> {
     let counters = Arc::new(Counters::default());
-    let already: u64 = state
-        .outcomes
-        .iter()
-        .map(|o| state.plan.bytes(o.range.blocks()))
-        .sum();
+    let already: u64 = state.outcomes.iter().map(|o| state.plan.bytes(o.range.blocks())).sum();
     let display = progress::start(out.progress, out.progress_interval, counters.clone(), already);
     let result = state.advance(spec, opts, counters).await;
     display.finish().await;
@@ -529,7 +539,12 @@ fn plan_table(plan: &Plan, all: bool) -> String {
     use std::fmt::Write as _;
     let mut s = String::new();
     let bs = plan.server.block_size;
-    let _ = writeln!(s, "server: {} (as {})", plan.server.version.split(" on ").next().unwrap_or(""), plan.server.login_role);
+    let _ = writeln!(
+        s,
+        "server: {} (as {})",
+        plan.server.version.split(" on ").next().unwrap_or(""),
+        plan.server.login_role
+    );
     let _ = writeln!(s, "{:<24} {:>8} {:>8} {:>10} {:>8}  note", "database", "forks", "ranges", "size", "skipped");
     for d in &plan.databases {
         let forks: Vec<_> = plan.forks.iter().filter(|f| f.database == d.name && !f.excluded).collect();
@@ -548,21 +563,29 @@ fn plan_table(plan: &Plan, all: bool) -> String {
         );
     }
     let total: u64 = plan.planned_blocks() * bs;
-    let _ = writeln!(s, "to read: {} in {} ranges of up to {} blocks", human_bytes(total), plan.ranges.len(), plan.range_blocks);
+    let _ = writeln!(
+        s,
+        "to read: {} in {} ranges of up to {} blocks",
+        human_bytes(total),
+        plan.ranges.len(),
+        plan.range_blocks
+    );
     let _ = writeln!(s);
-    let _ = writeln!(s, "{:<16} {:<40} {:<18} {:<5} {:>10} {:>10}  action", "database", "relation", "kind", "fork", "blocks", "size");
+    let _ = writeln!(
+        s,
+        "{:<16} {:<40} {:<18} {:<5} {:>10} {:>10}  action",
+        "database", "relation", "kind", "fork", "blocks", "size"
+    );
     let mut rows: Vec<_> = plan.forks.iter().filter(|f| !f.excluded).collect();
     rows.sort_by(|a, b| b.blocks.cmp(&a.blocks));
-    let shown = rows
-        .iter()
-        .enumerate()
-        .filter(|(i, f)| all || *i < 25 || f.planned_skip.is_some())
-        .map(|(_, f)| *f);
+    let shown = rows.iter().enumerate().filter(|(i, f)| all || *i < 25 || f.planned_skip.is_some()).map(|(_, f)| *f);
     let mut n = 0;
     for f in shown {
         n += 1;
         let action = match (&f.planned_skip, &f.as_role) {
-            (Some(sk), _) => format!("skip: {}{}", sk.detail, sk.fix.as_deref().map(|x| format!("; fix: {x}")).unwrap_or_default()),
+            (Some(sk), _) => {
+                format!("skip: {}{}", sk.detail, sk.fix.as_deref().map(|x| format!("; fix: {x}")).unwrap_or_default())
+            }
             (None, Some(r)) => format!("read as owner {r}"),
             (None, None) => "read".into(),
         };
@@ -598,8 +621,22 @@ mod tests {
     fn start_builds_the_documented_manual_input() {
         use clap::Parser;
         let cli = super::Cli::try_parse_from([
-            "pghydrate", "start", "--instance", "green-1", "--state-machine-arn", "arn:aws:states:us-east-1:123456789012:stateMachine:pghydrate-hydrate",
-            "--sessions", "4", "--mode", "buffer", "--maintenance", "vacuum-analyze", "--first", "public.orders", "--iam-user", "hydrator",
+            "pghydrate",
+            "start",
+            "--instance",
+            "green-1",
+            "--state-machine-arn",
+            "arn:aws:states:us-east-1:123456789012:stateMachine:pghydrate-hydrate",
+            "--sessions",
+            "4",
+            "--mode",
+            "buffer",
+            "--maintenance",
+            "vacuum-analyze",
+            "--first",
+            "public.orders",
+            "--iam-user",
+            "hydrator",
         ])
         .unwrap();
         let super::Command::Start(args) = cli.command else { panic!("not start") };
@@ -609,10 +646,14 @@ mod tests {
             serde_json::json!({"instance": "green-1", "sessions": 4, "mode": "buffer", "maintenance": "vacuum-analyze",
                                "first": ["public.orders"], "credentials": {"type": "iam", "user": "hydrator"}})
         );
-        let bad = super::Cli::try_parse_from(["pghydrate", "start", "--instance", "1-bad", "--state-machine-arn", "x"]).unwrap();
+        let bad = super::Cli::try_parse_from(["pghydrate", "start", "--instance", "1-bad", "--state-machine-arn", "x"])
+            .unwrap();
         let super::Command::Start(args) = bad.command else { panic!("not start") };
         assert!(super::start_input(&args).unwrap_err().to_string().contains("instance:"));
-        let name = pghydrate::aws::execution_name(&"a".repeat(63), std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_796_030_048));
+        let name = pghydrate::aws::execution_name(
+            &"a".repeat(63),
+            std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_796_030_048),
+        );
         assert_eq!(name, format!("hydrate-{}-20261130091408", "a".repeat(56)));
         assert!(name.len() <= 80);
     }

@@ -89,9 +89,7 @@ pub async fn secret_credentials(sm: &aws_sdk_secretsmanager::Client, arn: &str) 
         .send()
         .await
         .map_err(|e| aws_error("GetSecretValue", &e.into_service_error()))?;
-    let text = out
-        .secret_string()
-        .ok_or_else(|| Error::InvalidInput(format!("secret {arn} has no string value")))?;
+    let text = out.secret_string().ok_or_else(|| Error::InvalidInput(format!("secret {arn} has no string value")))?;
     crate::workflow::credentials_from_secret(text).map_err(|why| Error::InvalidInput(format!("secret {arn}: {why}")))
 }
 
@@ -136,13 +134,19 @@ pub struct ExecutionView {
 /// An execution name that says what it hydrates: `hydrate-<instance>-<UTC time>` (at most 80 characters
 /// of letters, digits, hyphens, as Step Functions requires).
 pub fn execution_name(instance: &str, now: std::time::SystemTime) -> String {
-    let stamp: String = humantime::format_rfc3339_seconds(now).to_string().chars().filter(|c| c.is_ascii_digit()).collect();
+    let stamp: String =
+        humantime::format_rfc3339_seconds(now).to_string().chars().filter(|c| c.is_ascii_digit()).collect();
     let short: String = instance.chars().take(56).collect();
     format!("hydrate-{short}-{stamp}")
 }
 
 /// Starts an execution named `name` with `input` (already validated); returns its ARN.
-pub async fn start_execution(sfn: &aws_sdk_sfn::Client, state_machine: &str, name: &str, input: &serde_json::Value) -> Result<String> {
+pub async fn start_execution(
+    sfn: &aws_sdk_sfn::Client,
+    state_machine: &str,
+    name: &str,
+    input: &serde_json::Value,
+) -> Result<String> {
     let out = sfn
         .start_execution()
         .state_machine_arn(state_machine)
@@ -175,7 +179,7 @@ pub fn execution_exit_code(v: &ExecutionView) -> i32 {
     match (v.status.as_str(), v.error.as_deref()) {
         ("SUCCEEDED", _) => exit::COMPLETE,
         ("FAILED", Some("HydrationIncomplete")) => exit::INCOMPLETE,
-        ("FAILED", Some("InvalidInput")) => exit::INVALID_INPUT,
+        ("FAILED", Some("InvalidInput" | "InstanceNotFound")) => exit::INVALID_INPUT,
         _ => exit::INTERNAL,
     }
 }

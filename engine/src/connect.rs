@@ -74,10 +74,7 @@ pub struct ConnectionSpec {
 
 impl std::fmt::Debug for ConnectionSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ConnectionSpec")
-            .field("target", &self.target())
-            .field("tls", &self.tls)
-            .finish()
+        f.debug_struct("ConnectionSpec").field("target", &self.target()).field("tls", &self.tls).finish()
     }
 }
 
@@ -151,9 +148,7 @@ impl ConnectionSpec {
             }
         }
         if let Some(p) = env("PGPORT") {
-            let port: u16 = p
-                .parse()
-                .map_err(|_| Error::InvalidInput(format!("PGPORT {p:?} is not a port number")))?;
+            let port: u16 = p.parse().map_err(|_| Error::InvalidInput(format!("PGPORT {p:?} is not a port number")))?;
             config.port(port);
         }
         if let Some(u) = env("PGUSER") {
@@ -166,14 +161,16 @@ impl ConnectionSpec {
             config.dbname(&d);
         }
         if let Some(t) = env("PGCONNECT_TIMEOUT") {
-            let secs: u64 = t.parse().map_err(|_| {
-                Error::InvalidInput(format!("PGCONNECT_TIMEOUT {t:?} is not a number of seconds"))
-            })?;
+            let secs: u64 = t
+                .parse()
+                .map_err(|_| Error::InvalidInput(format!("PGCONNECT_TIMEOUT {t:?} is not a number of seconds")))?;
             config.connect_timeout(Duration::from_secs(secs));
         }
+        // verify-full unless told otherwise: a hydration runs with a privileged login against a
+        // production server, so the server's identity is checked by default (libpq's default is prefer).
         let mut tls = match env("PGSSLMODE") {
             Some(m) => m.parse()?,
-            None => TlsMode::Prefer,
+            None => TlsMode::VerifyFull,
         };
         let mut ca_file = env("PGSSLROOTCERT").map(PathBuf::from);
 
@@ -193,9 +190,8 @@ impl ConnectionSpec {
             } else if s.is_empty() {
                 Config::new()
             } else {
-                Config::from_str(&s).map_err(|e| {
-                    Error::InvalidInput(format!("connection string is not valid: {}", describe(&e)))
-                })?
+                Config::from_str(&s)
+                    .map_err(|e| Error::InvalidInput(format!("connection string is not valid: {}", describe(&e))))?
             };
             if !parsed.get_hosts().is_empty() {
                 config = overlay_hosts(config, &parsed);
@@ -288,12 +284,22 @@ impl ConnectionSpec {
         format!("{}@{host}:{port}", self.user())
     }
 
+    /// Every host is a Unix-domain socket: TLS does not apply (as in libpq).
+    pub fn is_local_socket(&self) -> bool {
+        let hosts = self.config.get_hosts();
+        !hosts.is_empty() && hosts.iter().all(|h| matches!(h, Host::Unix(_)))
+    }
+
     fn tls_connector(&self) -> Result<MakeRustlsConnect> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .map_err(|e| Error::Tls { target: self.target(), reason: e.to_string() })?;
         let config = match self.tls {
+            _ if self.is_local_socket() => builder
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(NoVerification(provider)))
+                .with_no_client_auth(),
             TlsMode::Disable | TlsMode::Prefer | TlsMode::Require => builder
                 .dangerous()
                 .with_custom_certificate_verifier(Arc::new(NoVerification(provider)))
@@ -303,11 +309,8 @@ impl ConnectionSpec {
                 let inner = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider)
                     .build()
                     .map_err(|e| Error::Tls { target: self.target(), reason: e.to_string() })?;
-                let verifier: Arc<dyn ServerCertVerifier> = if self.tls == TlsMode::VerifyCa {
-                    Arc::new(ChainOnly(inner))
-                } else {
-                    inner
-                };
+                let verifier: Arc<dyn ServerCertVerifier> =
+                    if self.tls == TlsMode::VerifyCa { Arc::new(ChainOnly(inner)) } else { inner };
                 builder.dangerous().with_custom_certificate_verifier(verifier).with_no_client_auth()
             }
         };
@@ -321,12 +324,11 @@ impl ConnectionSpec {
                 Some(h) if Path::new(&h).join(".postgresql/root.crt").exists() => {
                     Path::new(&h).join(".postgresql/root.crt")
                 }
-                _ => {
-                    return Err(Error::InvalidInput(format!(
-                        "sslmode {} needs a CA bundle: pass --ca-file (or sslrootcert=) with the server's CA certificates",
-                        self.tls.as_str()
-                    )))
-                }
+                _ => return Err(Error::InvalidInput(format!(
+                    "sslmode {} (the default) needs a CA bundle: pass --ca-file (or sslrootcert=) with the server's \
+                         CA certificates (for RDS, the region's bundle), or choose a weaker --tls explicitly",
+                    self.tls.as_str()
+                ))),
             },
         };
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&path)
@@ -351,6 +353,7 @@ impl ConnectionSpec {
         config.dbname(database);
         config.application_name(&self.application_name);
         config.ssl_mode(match self.tls {
+            _ if self.is_local_socket() => SslMode::Disable,
             TlsMode::Disable => SslMode::Disable,
             TlsMode::Prefer => SslMode::Prefer,
             _ => SslMode::Require,
@@ -417,6 +420,11 @@ fn classify_connect_error(target: &str, e: tokio_postgres::Error) -> Error {
         return Error::Authentication { target: target.into(), reason, source: Some(e) };
     }
     if reason.contains("TLS") || reason.contains("certificate") || reason.contains("tls") {
+        let reason = if reason.contains("server does not support TLS") {
+            format!("{reason} (connecting unencrypted takes an explicit --tls disable)")
+        } else {
+            reason
+        };
         return Error::Tls { target: target.into(), reason };
     }
     Error::Connect { target: target.into(), reason, source: Some(e) }
@@ -534,11 +542,9 @@ mod tests {
 
     #[test]
     fn verify_modes_are_taken_out_before_the_driver_sees_them() {
-        let spec = ConnectionSpec::parse(
-            Some("host=h port=1 user=u sslmode=verify-ca sslrootcert=/tmp/ca.pem"),
-            env(&[]),
-        )
-        .unwrap();
+        let spec =
+            ConnectionSpec::parse(Some("host=h port=1 user=u sslmode=verify-ca sslrootcert=/tmp/ca.pem"), env(&[]))
+                .unwrap();
         assert_eq!(spec.tls_mode(), TlsMode::VerifyCa);
         assert_eq!(spec.ca_file.as_deref(), Some(Path::new("/tmp/ca.pem")));
     }

@@ -156,7 +156,11 @@ fn parse_arn(arn: &str) -> Result<RdsArn<'_>, InputError> {
 /// Parses the state machine's input: an EventBridge event from `aws.rds`, or a manual input
 /// (`{"instance": "...", ...overrides}`). `expect` is the account and region the workflow runs in:
 /// an event about another account or region is refused.
-pub fn parse_input(input: &Value, expect_account: Option<&str>, expect_region: Option<&str>) -> Result<Trigger, InputError> {
+pub fn parse_input(
+    input: &Value,
+    expect_account: Option<&str>,
+    expect_region: Option<&str>,
+) -> Result<Trigger, InputError> {
     let obj = input.as_object().ok_or_else(|| invalid("input must be a JSON object"))?;
     if obj.contains_key("detail-type") || obj.contains_key("source") {
         parse_event(input, expect_account, expect_region)
@@ -167,7 +171,8 @@ pub fn parse_input(input: &Value, expect_account: Option<&str>, expect_region: O
 
 fn parse_manual(input: &Value) -> Result<Trigger, InputError> {
     let obj = input.as_object().unwrap();
-    let instance = obj.get("instance").ok_or_else(|| invalid("instance: missing (the DB instance identifier to hydrate)"))?;
+    let instance =
+        obj.get("instance").ok_or_else(|| invalid("instance: missing (the DB instance identifier to hydrate)"))?;
     let instance = instance.as_str().ok_or_else(|| invalid("instance: must be a string"))?;
     if !valid_instance_id(instance) {
         return Err(invalid(format!(
@@ -179,7 +184,8 @@ fn parse_manual(input: &Value) -> Result<Trigger, InputError> {
     rest.remove("instance");
     // Step Functions adds this when a parent execution (a pipeline) starts this one.
     rest.remove("AWS_STEP_FUNCTIONS_STARTED_BY_EXECUTION_ID");
-    let overrides: Overrides = serde_json::from_value(Value::Object(rest)).map_err(|e| invalid(field_error(&e.to_string())))?;
+    let overrides: Overrides =
+        serde_json::from_value(Value::Object(rest)).map_err(|e| invalid(field_error(&e.to_string())))?;
     validate_overrides(&overrides)?;
     Ok(Trigger {
         kind: TriggerKind::Manual,
@@ -243,7 +249,9 @@ fn validate_overrides(o: &Overrides) -> Result<(), InputError> {
         }
     }
     match &o.credentials {
-        Some(Credentials::Secret { arn }) if !arn.starts_with("arn:aws") || !arn.contains(":secretsmanager:") || arn.len() > MAX_TEXT => {
+        Some(Credentials::Secret { arn })
+            if !arn.starts_with("arn:aws") || !arn.contains(":secretsmanager:") || arn.len() > MAX_TEXT =>
+        {
             return Err(invalid(format!("credentials.arn: {:?} is not a Secrets Manager ARN", truncate(arn))));
         }
         Some(Credentials::Iam { user }) if user.is_empty() || user.len() > 63 => {
@@ -254,7 +262,11 @@ fn validate_overrides(o: &Overrides) -> Result<(), InputError> {
     Ok(())
 }
 
-fn parse_event(input: &Value, expect_account: Option<&str>, expect_region: Option<&str>) -> Result<Trigger, InputError> {
+fn parse_event(
+    input: &Value,
+    expect_account: Option<&str>,
+    expect_region: Option<&str>,
+) -> Result<Trigger, InputError> {
     let source = text(input, "source")?;
     if source != "aws.rds" {
         return Err(invalid(format!("source: {:?} is not aws.rds", truncate(source))));
@@ -299,7 +311,10 @@ fn parse_event(input: &Value, expect_account: Option<&str>, expect_region: Optio
                 return Err(invalid(format!("detail.SourceArn: resource type {:?} is not db", truncate(arn.resource))));
             }
             if !valid_instance_id(arn.name) {
-                return Err(invalid(format!("detail.SourceArn: {:?} is not a DB instance identifier", truncate(arn.name))));
+                return Err(invalid(format!(
+                    "detail.SourceArn: {:?} is not a DB instance identifier",
+                    truncate(arn.name)
+                )));
             }
             let kind = match rds_event {
                 "RDS-EVENT-0043" | "RDS-EVENT-0008" => TriggerKind::SnapshotRestore,
@@ -313,11 +328,17 @@ fn parse_event(input: &Value, expect_account: Option<&str>, expect_region: Optio
         }
         "RDS Blue Green Deployment Event" => {
             if arn.resource != "deployment" {
-                return Err(invalid(format!("detail.SourceArn: resource type {:?} is not deployment", truncate(arn.resource))));
+                return Err(invalid(format!(
+                    "detail.SourceArn: resource type {:?} is not deployment",
+                    truncate(arn.resource)
+                )));
             }
             let ok = arn.name.len() <= 255 && arn.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
             if !ok || arn.name.is_empty() {
-                return Err(invalid(format!("detail.SourceArn: {:?} is not a Blue/Green deployment identifier", truncate(arn.name))));
+                return Err(invalid(format!(
+                    "detail.SourceArn: {:?} is not a Blue/Green deployment identifier",
+                    truncate(arn.name)
+                )));
             }
             match rds_event {
                 "RDS-EVENT-0244" => Ok(base(TriggerKind::BlueGreenCreated, None, Some(arn.name.to_string()))),
@@ -375,18 +396,57 @@ mod tests {
     #[test]
     fn malformed_and_hostile_events_are_refused_by_field() {
         let cases: Vec<(&str, Box<dyn Fn(&mut Value)>, &str)> = vec![
-            ("no detail", Box::new(|e| { e.as_object_mut().unwrap().remove("detail"); }), "detail:"),
+            (
+                "no detail",
+                Box::new(|e| {
+                    e.as_object_mut().unwrap().remove("detail");
+                }),
+                "detail:",
+            ),
             ("detail not object", Box::new(|e| e["detail"] = json!("x")), "detail:"),
-            ("no arn", Box::new(|e| { e["detail"].as_object_mut().unwrap().remove("SourceArn"); }), "detail.SourceArn: missing"),
-            ("arn wrong type", Box::new(|e| e["detail"]["SourceArn"] = json!(42)), "detail.SourceArn: must be a string"),
-            ("other account", Box::new(|e| e["detail"]["SourceArn"] = json!("arn:aws:rds:us-east-1:999999999999:db:orders-restored")), "account 999999999999"),
-            ("other region in arn", Box::new(|e| e["detail"]["SourceArn"] = json!("arn:aws:rds:eu-west-1:123456789012:db:orders-restored")), "region eu-west-1"),
+            (
+                "no arn",
+                Box::new(|e| {
+                    e["detail"].as_object_mut().unwrap().remove("SourceArn");
+                }),
+                "detail.SourceArn: missing",
+            ),
+            (
+                "arn wrong type",
+                Box::new(|e| e["detail"]["SourceArn"] = json!(42)),
+                "detail.SourceArn: must be a string",
+            ),
+            (
+                "other account",
+                Box::new(|e| e["detail"]["SourceArn"] = json!("arn:aws:rds:us-east-1:999999999999:db:orders-restored")),
+                "account 999999999999",
+            ),
+            (
+                "other region in arn",
+                Box::new(|e| e["detail"]["SourceArn"] = json!("arn:aws:rds:eu-west-1:123456789012:db:orders-restored")),
+                "region eu-west-1",
+            ),
             ("event from other account", Box::new(|e| e["account"] = json!("999999999999")), "account:"),
             ("event from other region", Box::new(|e| e["region"] = json!("eu-west-1")), "region:"),
             ("not rds", Box::new(|e| e["source"] = json!("aws.ec2")), "source:"),
-            ("huge id", Box::new(|e| e["detail"]["SourceArn"] = json!(format!("arn:aws:rds:us-east-1:123456789012:db:{}", "a".repeat(5000)))), "characters"),
-            ("bad instance id", Box::new(|e| e["detail"]["SourceArn"] = json!("arn:aws:rds:us-east-1:123456789012:db:x;DROP")), "not a DB instance identifier"),
-            ("cluster arn", Box::new(|e| e["detail"]["SourceArn"] = json!("arn:aws:rds:us-east-1:123456789012:cluster:c1")), "is not db"),
+            (
+                "huge id",
+                Box::new(|e| {
+                    e["detail"]["SourceArn"] =
+                        json!(format!("arn:aws:rds:us-east-1:123456789012:db:{}", "a".repeat(5000)))
+                }),
+                "characters",
+            ),
+            (
+                "bad instance id",
+                Box::new(|e| e["detail"]["SourceArn"] = json!("arn:aws:rds:us-east-1:123456789012:db:x;DROP")),
+                "not a DB instance identifier",
+            ),
+            (
+                "cluster arn",
+                Box::new(|e| e["detail"]["SourceArn"] = json!("arn:aws:rds:us-east-1:123456789012:cluster:c1")),
+                "is not db",
+            ),
             ("not an arn", Box::new(|e| e["detail"]["SourceArn"] = json!("orders-restored")), "not an RDS ARN"),
         ];
         for (name, mutate, want) in cases {
@@ -439,6 +499,136 @@ mod tests {
             match parse(&input) {
                 Err(InputError::Invalid(m)) => assert!(m.contains(want), "{input}: {m}"),
                 other => panic!("{input}: {other:?}"),
+            }
+        }
+    }
+
+    /// Fuzz (bounded, runs in CI): the parsers never panic on any JSON, and what they accept is sound.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn any_json() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::Bool),
+                any::<i64>().prop_map(|n| json!(n)),
+                any::<f64>().prop_map(|f| json!(f)),
+                "\\PC{0,40}".prop_map(Value::String),
+                prop::sample::select(vec![
+                    "orders-restored",
+                    "RDS-EVENT-0043",
+                    "aws.rds",
+                    "RDS DB Instance Event",
+                    "123456789012",
+                    "us-east-1",
+                    "arn:aws:rds:us-east-1:123456789012:db:orders-restored",
+                    "snapshot",
+                    "manual",
+                    "buffer",
+                ])
+                .prop_map(|s| json!(s)),
+            ];
+            leaf.prop_recursive(4, 48, 8, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                    prop::collection::btree_map(
+                        prop::sample::select(vec![
+                            "instance",
+                            "sessions",
+                            "mode",
+                            "maintenance",
+                            "include",
+                            "exclude",
+                            "first",
+                            "credentials",
+                            "detail",
+                            "source",
+                            "detail-type",
+                            "account",
+                            "region",
+                            "resources",
+                            "SourceArn",
+                            "EventID",
+                            "type",
+                            "arn",
+                            "user",
+                            "x",
+                        ])
+                        .prop_map(str::to_string),
+                        inner,
+                        0..6,
+                    )
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        /// Every path of a JSON value, as pointers ("/detail/SourceArn").
+        fn pointers(v: &Value, at: String, out: &mut Vec<String>) {
+            out.push(at.clone());
+            match v {
+                Value::Object(m) => m.iter().for_each(|(k, x)| pointers(x, format!("{at}/{k}"), out)),
+                Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| pointers(x, format!("{at}/{i}"), out)),
+                _ => {}
+            }
+        }
+
+        fn check_sound(t: &Trigger) {
+            if let Some(i) = &t.instance {
+                assert!(valid_instance_id(i), "accepted instance id {i:?}");
+            }
+            if let Some(s) = t.overrides.sessions {
+                assert!((1..=64).contains(&s), "accepted sessions {s}");
+            }
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+            #[test]
+            fn any_json_is_parsed_or_refused_never_a_panic(v in any_json()) {
+                if let Ok(t) = parse(&v) {
+                    check_sound(&t);
+                }
+            }
+
+            #[test]
+            fn every_field_of_a_real_event_replaced_by_anything(
+                name in prop::sample::select(vec![
+                    "snapshot-restore-0043", "point-in-time-restore-0019", "blue-green-created-0244",
+                    "multi-az-conversion-0025", "failover-0049",
+                ]),
+                pick in any::<prop::sample::Index>(),
+                replacement in any_json(),
+            ) {
+                let mut event = fixture(name);
+                let mut paths = Vec::new();
+                pointers(&event, String::new(), &mut paths);
+                let path = pick.get(&paths[1..]).clone();
+                *event.pointer_mut(&path).unwrap() = replacement;
+                if let Ok(t) = parse(&event) {
+                    check_sound(&t);
+                    // An accepted event still names this account and region.
+                    prop_assert_eq!(t.account.as_deref(), Some("123456789012"));
+                    prop_assert_eq!(t.region.as_deref(), Some("us-east-1"));
+                }
+            }
+
+            #[test]
+            fn a_malformed_secret_is_refused_without_echoing_it(text in "\\PC{0,200}", password in "[A-Za-z0-9!#%]{12,30}") {
+                for candidate in [text.clone(), format!("{{\"username\": 5, \"password\": \"{password}\"}}"),
+                                  format!("{{\"password\": \"{password}\"}}"), format!("{{\"user\": \"{password}\"}}")] {
+                    match crate::workflow::credentials_from_secret(&candidate) {
+                        Ok((u, p)) => prop_assert!(!u.is_empty() && !p.is_empty()),
+                        Err(m) => {
+                            prop_assert!(!m.contains(&password), "error echoes the secret: {}", m);
+                            if candidate.len() > 3 {
+                                prop_assert!(!m.contains(candidate.as_str()), "error echoes the secret: {}", m);
+                            }
+                        }
+                    }
+                }
             }
         }
     }

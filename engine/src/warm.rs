@@ -304,9 +304,7 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, Stri
             Ok::<_, Error>(client)
         };
         match attempt.await {
-            Ok(client) => {
-                return Ok(Session { database: db.to_string(), client, role: None, statement_timeout_ms: 0 })
-            }
+            Ok(client) => return Ok(Session { database: db.to_string(), client, role: None, statement_timeout_ms: 0 }),
             Err(e) => {
                 if !e.is_retryable() || started.elapsed() >= s.opts.reconnect_for || s.deadline_near() {
                     return Err(e.to_string());
@@ -324,7 +322,12 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
     let range = task.range;
     let fork = s.plan.fork(&range).clone();
     if s.unreachable.lock().unwrap().contains(&fork.database) {
-        s.skip(range, SkipReason::DatabaseUnreachable, format!("database {:?} could not be reached", fork.database), None);
+        s.skip(
+            range,
+            SkipReason::DatabaseUnreachable,
+            format!("database {:?} could not be reached", fork.database),
+            None,
+        );
         return false;
     }
     let Some(function) = s.plan.prewarm_function(&fork.database).map(str::to_string) else {
@@ -364,7 +367,10 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
     let prepared: std::result::Result<(), tokio_postgres::Error> = async {
         if sess.statement_timeout_ms != timeout_ms {
             sess.client
-                .query_one("SELECT pg_catalog.set_config('statement_timeout', $1, false)", &[&format!("{timeout_ms}ms")])
+                .query_one(
+                    "SELECT pg_catalog.set_config('statement_timeout', $1, false)",
+                    &[&format!("{timeout_ms}ms")],
+                )
                 .await?;
             sess.statement_timeout_ms = timeout_ms;
         }
@@ -389,7 +395,13 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
             sess.client
                 .query_one(
                     &sql,
-                    &[&fork.oid, &s.opts.mode.as_str(), &fork.fork.as_str(), &(range.first as i64), &(range.last as i64)],
+                    &[
+                        &fork.oid,
+                        &s.opts.mode.as_str(),
+                        &fork.fork.as_str(),
+                        &(range.first as i64),
+                        &(range.last as i64),
+                    ],
                 )
                 .await
         }
@@ -460,7 +472,10 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
                     range,
                     SkipReason::Permission,
                     describe(&e),
-                    Some(format!("GRANT pg_read_all_data TO {}", crate::catalog::quote_ident(&s.plan.server.login_role))),
+                    Some(format!(
+                        "GRANT pg_read_all_data TO {}",
+                        crate::catalog::quote_ident(&s.plan.server.login_role)
+                    )),
                 );
             }
             false

@@ -33,6 +33,100 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// The harness's certificates: a test CA, a server certificate it signed (for 127.0.0.1 and localhost),
+/// and an unrelated CA (`rogue_ca`) whose trust proves nothing about the server. Made once with openssl
+/// under $PGHYDRATE_HOME/tls and reused.
+pub struct TestTls {
+    pub ca: PathBuf,
+    pub rogue_ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+}
+
+pub fn test_tls() -> &'static TestTls {
+    static TLS: std::sync::OnceLock<TestTls> = std::sync::OnceLock::new();
+    TLS.get_or_init(|| {
+        let dir = pghydrate_home().join("tls");
+        let files = TestTls {
+            ca: dir.join("ca.pem"),
+            rogue_ca: dir.join("rogue-ca.pem"),
+            server_cert: dir.join("server.pem"),
+            server_key: dir.join("server.key"),
+        };
+        if files.server_key.exists() {
+            return files;
+        }
+        let tmp = pghydrate_home().join(format!("tls-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).unwrap();
+        let openssl = |args: &[&str]| {
+            let out = Command::new("openssl").args(args).current_dir(&tmp).output().expect("openssl (apt: openssl)");
+            assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        for (key, cert, cn) in [("ca.key", "ca.pem", "pghydrate test CA"), ("rogue-ca.key", "rogue-ca.pem", "rogue CA")]
+        {
+            openssl(&[
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                key,
+                "-out",
+                cert,
+                "-days",
+                "3650",
+                "-subj",
+                &format!("/CN={cn}"),
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign,cRLSign",
+            ]);
+        }
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=localhost",
+        ]);
+        std::fs::write(
+            tmp.join("ext.cnf"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+        )
+        .unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "3650",
+            "-extfile",
+            "ext.cnf",
+        ]);
+        // Another process may have won the race: then its files are used.
+        if std::fs::rename(&tmp, &dir).is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        files
+    })
+}
+
 /// A running cluster. Dropping it stops the server and deletes its files.
 pub struct Cluster {
     pub major: u32,
@@ -61,20 +155,36 @@ impl Cluster {
         std::fs::create_dir_all(&dir).unwrap();
         let pwfile = dir.join("pwfile");
         std::fs::write(&pwfile, SUPERUSER_PASSWORD).unwrap();
+        // TLS on every server: the tool's default (verify-full) is what the tests use.
+        let tls = test_tls();
+        std::fs::copy(&tls.server_cert, dir.join("server.pem")).unwrap();
+        std::fs::copy(&tls.server_key, dir.join("server.key")).unwrap();
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir.join("server.key"), std::fs::Permissions::from_mode(0o600)).unwrap();
+        }
         let c = Cluster { major, port: 0, dir, bin };
         if is_root() {
             c.run(Command::new("chown").args(["-R", RUN_AS]).arg(&c.dir));
         }
-        c.run(c.pg("initdb").args(["-U", SUPERUSER, "-A", "scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--no-sync"])
-            .arg("--locale=C")
-            .arg(format!("--pwfile={}", pwfile.display()))
-            .arg("-D")
-            .arg(c.data()));
+        c.run(
+            c.pg("initdb")
+                .args(["-U", SUPERUSER, "-A", "scram-sha-256", "--auth-local=trust", "-E", "UTF8", "--no-sync"])
+                .arg("--locale=C")
+                .arg(format!("--pwfile={}", pwfile.display()))
+                .arg("-D")
+                .arg(c.data()),
+        );
         let mut conf = String::from(
             "listen_addresses = '127.0.0.1'\nfsync = off\nshared_buffers = 128MB\nmax_connections = 60\n\
              autovacuum = off\nlog_min_messages = warning\n",
         );
         conf.push_str(&format!("unix_socket_directories = '{}'\n", c.dir.display()));
+        conf.push_str(&format!(
+            "ssl = on\nssl_cert_file = '{}'\nssl_key_file = '{}'\n",
+            c.dir.join("server.pem").display(),
+            c.dir.join("server.key").display()
+        ));
         for s in settings {
             conf.push_str(s);
             conf.push('\n');
@@ -93,7 +203,10 @@ impl Cluster {
             }
             eprintln!("start attempt {attempt} on port {} failed: {}", c.port, String::from_utf8_lossy(&out.stderr));
         }
-        panic!("PostgreSQL {major} did not start; log:\n{}", std::fs::read_to_string(c.dir.join("log")).unwrap_or_default());
+        panic!(
+            "PostgreSQL {major} did not start; log:\n{}",
+            std::fs::read_to_string(c.dir.join("log")).unwrap_or_default()
+        );
     }
 
     fn data(&self) -> PathBuf {
@@ -153,8 +266,14 @@ impl Cluster {
         assert!(out.status.success(), "start failed: {}", String::from_utf8_lossy(&out.stderr));
     }
 
+    /// A URL with the tool's default TLS check (verify-full) against the harness's CA.
     pub fn url(&self, user: &str, password: &str, db: &str) -> String {
-        format!("postgresql://{user}:{password}@127.0.0.1:{}/{}", self.port, pct(db))
+        format!(
+            "postgresql://{user}:{password}@127.0.0.1:{}/{}?sslmode=verify-full&sslrootcert={}",
+            self.port,
+            pct(db),
+            test_tls().ca.display()
+        )
     }
 
     pub fn superuser_url(&self, db: &str) -> String {
@@ -224,7 +343,15 @@ impl Drop for Cluster {
 
 /// Percent-encodes a URL path segment.
 pub fn pct(s: &str) -> String {
-    s.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-_.".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect()
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
 }
 
 /// Quotes an identifier for test set-up SQL.
@@ -298,4 +425,96 @@ pub async fn expected_forks(cluster: &Cluster) -> std::collections::BTreeMap<For
         }
     }
     out
+}
+
+/// Outcomes plus pending ranges cover the plan's ranges exactly: no block twice, none missing.
+pub fn assert_outcomes_partition_plan(st: &pghydrate::run::RunState) {
+    let mut blocks: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = std::collections::BTreeMap::new();
+    for o in &st.outcomes {
+        blocks.entry(o.range.fork).or_default().push((o.range.first, o.range.last));
+    }
+    for p in &st.pending {
+        blocks.entry(p.fork).or_default().push((p.first, p.last));
+    }
+    let mut planned: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = std::collections::BTreeMap::new();
+    for r in &st.plan.ranges {
+        planned.entry(r.fork).or_default().push((r.first, r.last));
+    }
+    assert_eq!(blocks.keys().collect::<Vec<_>>(), planned.keys().collect::<Vec<_>>());
+    for (fork, mut got) in blocks {
+        got.sort();
+        let mut want = planned.remove(&fork).unwrap();
+        want.sort();
+        let mut next = want[0].0;
+        for (a, b) in &got {
+            assert_eq!(*a, next, "fork {fork}: gap or overlap at block {a}: {got:?}");
+            next = b + 1;
+        }
+        assert_eq!(next, want.last().unwrap().1 + 1, "fork {fork}: covered up to {next}");
+    }
+}
+
+/// A TCP proxy in front of a server that cuts the network: every connection through it is dropped
+/// (both sides, no goodbye) once its client has sent `cut_after` bytes. A client that reconnects gets
+/// a fresh allowance, so a long run is cut again and again. `cuts()` counts the connections it cut.
+pub struct CuttingProxy {
+    pub port: u16,
+    cuts: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CuttingProxy {
+    pub async fn start(upstream_port: u16, cut_after: usize) -> CuttingProxy {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cuts = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counter = cuts.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream_port)).await else {
+                    continue;
+                };
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let down = tokio::spawn(async move {
+                        let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                    });
+                    let mut sent = 0usize;
+                    let mut buf = vec![0u8; 16384];
+                    loop {
+                        let n = match cr.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if sent + n > cut_after {
+                            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            break; // dropping both halves closes both connections mid-conversation
+                        }
+                        sent += n;
+                        if sw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    down.abort();
+                });
+            }
+        });
+        CuttingProxy { port, cuts, task }
+    }
+
+    pub fn cuts(&self) -> u32 {
+        self.cuts.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for CuttingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }

@@ -12,7 +12,7 @@ use pghydrate::plan::{BlockRange, SkipReason};
 use pghydrate::report::{self, Report};
 use pghydrate::run::{RunOptions, RunState};
 use pghydrate::warm::{Counters, Mode, RangeResult, WarmOptions};
-use pghydrate_tests::{cli, expected_forks, Cluster, ForkKey};
+use pghydrate_tests::{assert_outcomes_partition_plan, cli, expected_forks, Cluster, ForkKey};
 
 fn plan_opts(range_blocks: u64) -> PlanOptions {
     PlanOptions { range_blocks, create_extension: true, lock_attempts: 3, ..Default::default() }
@@ -34,11 +34,7 @@ fn run_opts(deadline: Option<Instant>) -> RunOptions {
 }
 
 fn report_keys(r: &Report, outcome: &str) -> BTreeSet<ForkKey> {
-    r.relations
-        .iter()
-        .filter(|x| x.outcome == outcome)
-        .map(|x| (x.database.clone(), x.oid, x.fork.clone()))
-        .collect()
+    r.relations.iter().filter(|x| x.outcome == outcome).map(|x| (x.database.clone(), x.oid, x.fork.clone())).collect()
 }
 
 /// Every fork appears exactly once in the report, and the set is exactly what the catalog holds.
@@ -51,7 +47,10 @@ fn assert_report_lists_every_fork_once(r: &Report, expected: &BTreeMap<ForkKey, 
     let expected_keys: BTreeSet<ForkKey> = expected.keys().cloned().collect();
     let missing: Vec<_> = expected_keys.difference(&seen).collect();
     let extra: Vec<_> = seen.difference(&expected_keys).collect();
-    assert!(missing.is_empty() && extra.is_empty(), "report differs from the catalog: missing {missing:?}, extra {extra:?}");
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "report differs from the catalog: missing {missing:?}, extra {extra:?}"
+    );
 }
 
 /// For each warmed fork: every block 0..blocks is in shared_buffers (pg_buffercache), found through
@@ -97,7 +96,12 @@ async fn every_block_is_read(major: u32) {
         if db != "postgres" {
             cluster.load_sample(db, 1, None).await;
         }
-        cluster.client(db).await.batch_execute("CREATE EXTENSION pg_buffercache; CREATE EXTENSION pg_prewarm").await.unwrap();
+        cluster
+            .client(db)
+            .await
+            .batch_execute("CREATE EXTENSION pg_buffercache; CREATE EXTENSION pg_prewarm")
+            .await
+            .unwrap();
     }
     let admin = cluster.client("postgres").await;
     admin.batch_execute("CREATE DATABASE closed; ALTER DATABASE closed ALLOW_CONNECTIONS false").await.ok();
@@ -153,8 +157,14 @@ async fn every_block_is_read(major: u32) {
         ] {
             assert!(r.relations.iter().any(|x| x.database == db && x.name == name), "{name} missing in {db}");
         }
-        assert!(r.relations.iter().any(|x| x.database == db && x.kind == pghydrate::plan::RelKind::ToastTable && x.blocks > 0));
-        assert!(r.relations.iter().any(|x| x.database == db && x.kind == pghydrate::plan::RelKind::ToastIndex && x.blocks > 0));
+        assert!(r
+            .relations
+            .iter()
+            .any(|x| x.database == db && x.kind == pghydrate::plan::RelKind::ToastTable && x.blocks > 0));
+        assert!(r
+            .relations
+            .iter()
+            .any(|x| x.database == db && x.kind == pghydrate::plan::RelKind::ToastIndex && x.blocks > 0));
         assert!(r.relations.iter().any(|x| x.database == db && x.fork == "init" && x.blocks > 0), "unlogged init fork");
         assert!(r.relations.iter().any(|x| x.database == db && x.fork == "vm"), "visibility map fork");
     }
@@ -250,7 +260,11 @@ async fn permissions_are_reported_exactly(major: u32) {
 
     // The member of app_owner reads all of the sample as its owner.
     let r = run_as("member", "member-pw").await;
-    for x in r.relations.iter().filter(|x| x.database == "app" && x.schema != "pg_catalog" && x.schema != "information_schema") {
+    for x in r
+        .relations
+        .iter()
+        .filter(|x| x.database == "app" && x.schema != "pg_catalog" && x.schema != "information_schema")
+    {
         if x.schema == "pg_toast" && r.relations.iter().all(|y| y.oid != x.oid || y.outcome != "skipped") {
             continue;
         }
@@ -275,7 +289,9 @@ async fn dropped_and_truncated_during_the_run(major: u32) {
     let mut opts = plan_opts(8);
     opts.include_databases = vec!["app".into()];
     let plan = make_plan(&spec, &opts).await.unwrap();
-    let blocks_of = |name: &str| plan.forks.iter().find(|f| f.name == name && f.fork == pghydrate::plan::Fork::Main).unwrap().blocks;
+    let blocks_of = |name: &str| {
+        plan.forks.iter().find(|f| f.name == name && f.fork == pghydrate::plan::Fork::Main).unwrap().blocks
+    };
     let events_before = blocks_of("events_2026");
 
     let app = cluster.client("app").await;
@@ -286,11 +302,7 @@ async fn dropped_and_truncated_during_the_run(major: u32) {
     // shrunk: the second half deleted, VACUUM cuts the file
     app.batch_execute("DELETE FROM events_2026 WHERE id > (SELECT min(id) + 100 FROM events_2026)").await.unwrap();
     app.batch_execute("VACUUM events_2026").await.unwrap();
-    let events_after: i64 = app
-        .query_one("SELECT pg_relation_size('events_2026') / 8192", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let events_after: i64 = app.query_one("SELECT pg_relation_size('events_2026') / 8192", &[]).await.unwrap().get(0);
     assert!((events_after as u64) < events_before / 2, "VACUUM did not shrink the file");
 
     let mut st = RunState::new(plan.clone(), Mode::Read, 4, Maintenance::None);
@@ -302,12 +314,18 @@ async fn dropped_and_truncated_during_the_run(major: u32) {
     let docs = find("documents", "main");
     assert_eq!((docs.outcome.as_str(), docs.reason_code), ("skipped", Some(SkipReason::Dropped)));
     assert_eq!(find("documents_pkey", "main").reason_code, Some(SkipReason::Dropped));
-    let toast = r.relations.iter().filter(|x| x.table_is("public.documents", &plan) && x.kind == pghydrate::plan::RelKind::ToastTable);
+    let toast = r
+        .relations
+        .iter()
+        .filter(|x| x.table_is("public.documents", &plan) && x.kind == pghydrate::plan::RelKind::ToastTable);
     for t in toast {
         assert_eq!(t.reason_code, Some(SkipReason::Dropped), "{t:?}");
     }
     let cache = find("session_cache", "main");
-    assert_eq!((cache.outcome.as_str(), cache.reason_code, cache.warmed_blocks), ("skipped", Some(SkipReason::Truncated), 0));
+    assert_eq!(
+        (cache.outcome.as_str(), cache.reason_code, cache.warmed_blocks),
+        ("skipped", Some(SkipReason::Truncated), 0)
+    );
     let ev = find("events_2026", "main");
     assert_eq!(ev.outcome, "warmed", "{ev:?}");
     assert_eq!(ev.reason_code, Some(SkipReason::Truncated));
@@ -329,33 +347,6 @@ trait TableIs {
 impl TableIs for pghydrate::report::RelationReport {
     fn table_is(&self, table: &str, plan: &pghydrate::plan::Plan) -> bool {
         plan.forks.iter().any(|f| f.oid == self.oid && f.database == self.database && f.table == table)
-    }
-}
-
-/// Outcomes plus pending ranges cover the plan's ranges exactly: no block twice, none missing.
-fn assert_outcomes_partition_plan(st: &RunState) {
-    let mut blocks: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
-    for o in &st.outcomes {
-        blocks.entry(o.range.fork).or_default().push((o.range.first, o.range.last));
-    }
-    for p in &st.pending {
-        blocks.entry(p.fork).or_default().push((p.first, p.last));
-    }
-    let mut planned: BTreeMap<u32, Vec<(u64, u64)>> = BTreeMap::new();
-    for r in &st.plan.ranges {
-        planned.entry(r.fork).or_default().push((r.first, r.last));
-    }
-    assert_eq!(blocks.keys().collect::<Vec<_>>(), planned.keys().collect::<Vec<_>>());
-    for (fork, mut got) in blocks {
-        got.sort();
-        let mut want = planned.remove(&fork).unwrap();
-        want.sort();
-        let mut next = want[0].0;
-        for (a, b) in &got {
-            assert_eq!(*a, next, "fork {fork}: gap or overlap at block {a}: {got:?}");
-            next = b + 1;
-        }
-        assert_eq!(next, want.last().unwrap().1 + 1, "fork {fork}: covered up to {next}");
     }
 }
 
@@ -424,7 +415,8 @@ async fn locked_while_planning_is_reported_not_waited_for(major: u32) {
     popts.include_databases = vec!["app".into()];
     popts.lock_attempts = 2;
     // A guard against a hang, not a performance assertion.
-    let plan = tokio::time::timeout(Duration::from_secs(60), make_plan(&spec, &popts)).await.expect("plan hung").unwrap();
+    let plan =
+        tokio::time::timeout(Duration::from_secs(60), make_plan(&spec, &popts)).await.expect("plan hung").unwrap();
     let docs = plan.forks.iter().find(|f| f.name == "documents" && f.fork == pghydrate::plan::Fork::Main).unwrap();
     assert_eq!(docs.planned_skip.as_ref().map(|s| s.reason), Some(SkipReason::LockTimeout), "{docs:?}");
     let mut st = RunState::new(plan, Mode::Read, 2, Maintenance::Analyze);
@@ -456,10 +448,8 @@ async fn cli_resume_finishes_a_stopped_run() {
     let cont = dir.join("cont.json");
     let url = cluster.superuser_url("postgres");
     // A margin just under the limit: planning uses up the rest, so no range starts.
-    let (code, stdout, stderr) = cli(
-        &["run", &url, "--time-limit", "2s", "--margin", "1990ms", "--continuation", cont.to_str().unwrap()],
-        &dir,
-    );
+    let (code, stdout, stderr) =
+        cli(&["run", &url, "--time-limit", "2s", "--margin", "1990ms", "--continuation", cont.to_str().unwrap()], &dir);
     assert_eq!(code, 5, "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(stderr.contains(&format!("pghydrate resume {}", cont.display())), "{stderr}");
     let st = RunState::from_json(&std::fs::read_to_string(&cont).unwrap()).unwrap();
@@ -479,16 +469,32 @@ async fn cli_resume_finishes_a_stopped_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_one_clear_line() {
     let cluster = Cluster::start(15, &[]);
+    // A server without TLS, for the cases where TLS is asked for and not offered.
+    let plain = Cluster::start(15, &["ssl = off"]);
     let dir = cluster.dir().to_path_buf();
+    let tls = pghydrate_tests::test_tls();
+    let ca = format!("sslmode=verify-full&sslrootcert={}", tls.ca.display());
     let closed_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let wrong_pw = format!("postgresql://postgres:Wr0ng-pass@127.0.0.1:{}/postgres", cluster.port);
-    let no_tls = format!("postgresql://postgres:x@127.0.0.1:{}/postgres?sslmode=require", cluster.port);
+    let wrong_pw = format!("postgresql://postgres:Wr0ng-pass@127.0.0.1:{}/postgres?{ca}", cluster.port);
+    let no_tls = format!("postgresql://postgres:x@127.0.0.1:{}/postgres?sslmode=require", plain.port);
+    let no_tls_default = format!("postgresql://postgres:x@127.0.0.1:{}/postgres?{ca}", plain.port);
+    let untrusted = format!(
+        "postgresql://postgres:{}@127.0.0.1:{}/postgres?sslmode=verify-full&sslrootcert={}",
+        pghydrate_tests::SUPERUSER_PASSWORD,
+        cluster.port,
+        tls.rogue_ca.display()
+    );
+    let no_ca =
+        format!("postgresql://postgres:{}@127.0.0.1:{}/postgres", pghydrate_tests::SUPERUSER_PASSWORD, cluster.port);
     let good = cluster.superuser_url("postgres");
-    let unreachable = format!("postgresql://postgres:x@127.0.0.1:{closed_port}/postgres");
+    let unreachable = format!("postgresql://postgres:x@127.0.0.1:{closed_port}/postgres?{ca}");
     let cases: Vec<(Vec<&str>, i32, &str)> = vec![
         (vec!["run", &unreachable], 3, "cannot connect"),
         (vec!["run", &wrong_pw], 3, "authentication failed"),
         (vec!["run", &no_tls], 3, "TLS"),
+        (vec!["run", &no_tls_default], 3, "TLS"),
+        (vec!["run", &untrusted], 3, "certificate"),
+        (vec!["run", &no_ca], 2, "CA bundle"),
         (vec!["run", &good, "--include-database", "nosuchdb"], 2, "matches no database"),
         (vec!["run", &good, "--include", "public.no_such_table"], 2, "matches no relation"),
         (vec!["run", &good, "--sessions", "0"], 2, "--sessions"),
@@ -503,11 +509,15 @@ async fn bad_input_gets_one_clear_line() {
     ];
     for (args, want_code, want_text) in cases {
         let (code, _stdout, stderr) = cli(&args, &dir);
-        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        // One line for the error; a warning the options ask for (e.g. sslmode=require) may precede it.
+        let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty() && !l.contains(" WARN ")).collect();
         assert_eq!(code, want_code, "{args:?}: {stderr}");
         assert_eq!(lines.len(), 1, "{args:?}: expected one line, got {stderr}");
         assert!(lines[0].starts_with("pghydrate: ") && lines[0].contains(want_text), "{args:?}: {stderr}");
-        assert!(!stderr.contains("Wr0ng-pass") && !stderr.contains(pghydrate_tests::SUPERUSER_PASSWORD), "{args:?}: password leaked");
+        assert!(
+            !stderr.contains("Wr0ng-pass") && !stderr.contains(pghydrate_tests::SUPERUSER_PASSWORD),
+            "{args:?}: password leaked"
+        );
     }
 }
 
@@ -596,7 +606,16 @@ async fn patterns_choose_what_is_read_and_when() {
 
     let report = dir.join("r.json");
     let (code, stdout, stderr) = cli(
-        &["run", &url, "--include-database", "app", "--exclude", "public.documents", "--report", report.to_str().unwrap()],
+        &[
+            "run",
+            &url,
+            "--include-database",
+            "app",
+            "--exclude",
+            "public.documents",
+            "--report",
+            report.to_str().unwrap(),
+        ],
         &dir,
     );
     assert_eq!(code, 0, "{stdout}{stderr}");
@@ -680,7 +699,10 @@ async fn workflow_items_continue_until_done(major: u32) {
         .plan
         .ranges
         .iter()
-        .map(|r| pghydrate::warm::RangeOutcome { range: *r, result: RangeResult::Warmed { blocks: r.blocks(), seconds: 0.0 } })
+        .map(|r| pghydrate::warm::RangeOutcome {
+            range: *r,
+            result: RangeResult::Warmed { blocks: r.blocks(), seconds: 0.0 },
+        })
         .collect();
     st.pending.clear();
     assert_all_blocks_buffered(&cluster, &report::build(&st)).await;
