@@ -157,6 +157,10 @@ def test_pghydrate_start_wait_follows_the_execution_with_run_exit_codes(twin):
                              capture_output=True, text=True, timeout=60)
     assert invalid.returncode == 2 and "instance:" in invalid.stderr
 
+    missing = subprocess.run([str(binary), "start", "--instance", "no-such-db", "--wait", "--poll-interval", "1s"],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "InstanceNotFound" in missing.stderr, (missing.returncode, missing.stderr)
+
 
 def test_blue_green_event_hydrates_the_green_instance(twin):
     rds = twin.client("rds")
