@@ -67,15 +67,36 @@ class Postgres:
         if os.geteuid() == 0:
             shutil.chown(self.dir, RUN_AS)
             shutil.chown(self.dir / "pw", RUN_AS)
+        self.ca = self._make_certificates()
         as_pg([str(PG_BIN / "initdb"), "-D", str(self.dir / "data"), "-U", "postgres", "-A", "scram-sha-256",
                "--auth-local=trust", f"--pwfile={self.dir / 'pw'}", "--locale=C", "-E", "UTF8", "--no-sync"])
         with open(self.dir / "data" / "postgresql.auto.conf", "a") as f:
             f.write(f"listen_addresses = '127.0.0.1'\nunix_socket_directories = '{self.dir}'\nfsync = off\n"
-                    "shared_buffers = 128MB\nautovacuum = off\n")
+                    "shared_buffers = 128MB\nautovacuum = off\n"
+                    f"ssl = on\nssl_cert_file = '{self.dir / 'server.pem'}'\nssl_key_file = '{self.dir / 'server.key'}'\n")
             for k, v in (conf or {}).items():
                 f.write(f"{k} = '{v}'\n")
         self.port = free_port()
         self.start()
+
+    def _make_certificates(self) -> Path:
+        """A CA and a server certificate for 127.0.0.1: the Lambdas connect with their default,
+        verify-full, against this CA as their bundle (PGHYDRATE_CA_BUNDLE), as against RDS's."""
+        def openssl(*args):
+            subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=self.dir)
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "30",
+                "-subj", "/CN=pghydrate twin CA", "-addext", "basicConstraints=critical,CA:TRUE",
+                "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
+        (self.dir / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+                                          "extendedKeyUsage=serverAuth\n")
+        openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", "server.pem", "-days", "30", "-extfile", "ext.cnf")
+        os.chmod(self.dir / "server.key", 0o600)
+        if os.geteuid() == 0:
+            for f in ("server.key", "server.pem"):
+                shutil.chown(self.dir / f, RUN_AS)
+        return self.dir / "ca.pem"
 
     def start(self):
         as_pg([str(PG_BIN / "pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-o",
@@ -186,7 +207,8 @@ class Twin:
             "PGHYDRATE_MODE": self.mode,
             # As the template's SecretArn parameter: the deployment's default credentials.
             "PGHYDRATE_SECRET_ARN": self.secret_arn,
-            "PGHYDRATE_TLS": "prefer",  # the twin's PostgreSQL has no TLS: an explicit, logged choice
+            # TLS: the production default (verify-full), against the twin's CA as the bundle.
+            "PGHYDRATE_CA_BUNDLE": str(self.pg.ca),
             "PGHYDRATE_MARGIN_SECONDS": str(margin),
             "PGHYDRATE_STATE_BUCKET": "pghydrate-twin-state",
             "PGHYDRATE_STATE_PREFIX": "runs/",

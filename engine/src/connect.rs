@@ -324,11 +324,13 @@ impl ConnectionSpec {
                 Some(h) if Path::new(&h).join(".postgresql/root.crt").exists() => {
                     Path::new(&h).join(".postgresql/root.crt")
                 }
-                _ => return Err(Error::InvalidInput(format!(
+                _ => {
+                    return Err(Error::InvalidInput(format!(
                     "sslmode {} (the default) needs a CA bundle: pass --ca-file (or sslrootcert=) with the server's \
                          CA certificates (for RDS, the region's bundle), or choose a weaker --tls explicitly",
                     self.tls.as_str()
-                ))),
+                )))
+                }
             },
         };
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&path)

@@ -202,14 +202,14 @@ async fn a_locked_table_is_skipped_then_read_and_nobody_waits_behind_the_run() {
     let watcher = cluster.client("postgres").await;
     let waiting = async {
         loop {
-            let row = watcher
-                .query_opt(
+            let rows = watcher
+                .query(
                     "SELECT 1 FROM pg_stat_activity WHERE application_name = 'pghydrate' AND wait_event_type = 'Lock'",
                     &[],
                 )
                 .await
                 .unwrap();
-            if row.is_some() {
+            if !rows.is_empty() {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -461,3 +461,59 @@ on_versions!(
     relations_rewritten_after_planning,
     hostile_identifiers_are_warmed_not_interpolated
 );
+
+/// Step Functions retries a Warm call with its original input when the call fails (its result lost).
+/// Here the first call of each item half finishes and its result is thrown away; the retry from the
+/// original item then ends the item, and the bytes counted are exactly the planned bytes: the half
+/// done work is neither lost nor counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_item_that_had_half_finished_counts_every_byte_once() {
+    use pghydrate::workflow::{call_options, plan_items, Defaults, RunConfig, WorkItem};
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let spec = cluster.superuser_spec().with_timeouts(Duration::from_secs(60), Duration::from_secs(300));
+    let trigger = pghydrate::events::parse_input(
+        &serde_json::json!({"instance": "local", "mode": "read", "include_databases": ["app"], "first": ["tiny", "customers"]}),
+        None,
+        None,
+    )
+    .unwrap();
+    let mut defaults = Defaults::from_env(|_| None).unwrap();
+    defaults.range_blocks = 16;
+    let (summary, items) = plan_items(&spec, &RunConfig::new("exec-retry", trigger, &defaults)).await.unwrap();
+    let locker = cluster.client("app").await;
+    locker.batch_execute("BEGIN; LOCK TABLE customers IN ACCESS EXCLUSIVE MODE").await.unwrap();
+    let mut counted = 0;
+    let mut half_done = 0;
+    for (n, original) in items.iter().enumerate() {
+        let original = serde_json::to_string(original).unwrap();
+        if n == 0 {
+            // The failed call: it warms what it can before customers' lock holds it to its deadline.
+            let mut lost: WorkItem = serde_json::from_str(&original).unwrap();
+            let mut opts = call_options(Instant::now() + Duration::from_secs(3), Duration::from_secs(1));
+            opts.lock_timeout = Duration::from_secs(60);
+            lost.advance(&spec, &opts).await.unwrap();
+            let s = lost.summary();
+            assert!(s.warmed_bytes > 0 && s.pending_bytes > 0, "the lost call half finished: {s:?}");
+            half_done = s.warmed_bytes;
+            locker.batch_execute("COMMIT").await.unwrap();
+        }
+        // The retry: the original input, continued until done.
+        let mut text = original;
+        loop {
+            let mut item: WorkItem = serde_json::from_str(&text).unwrap();
+            item.advance(&spec, &call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(1)))
+                .await
+                .unwrap();
+            text = serde_json::to_string(&item).unwrap();
+            if item.done() {
+                let s = item.summary();
+                assert_eq!((s.skipped_bytes, s.pending_bytes), (0, 0), "{s:?}");
+                counted += s.warmed_bytes;
+                break;
+            }
+        }
+    }
+    assert!(half_done > 0);
+    assert_eq!(counted, summary.planned_bytes, "every planned byte counted exactly once");
+}
