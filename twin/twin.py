@@ -59,7 +59,8 @@ def wait_http(url: str, seconds: float = 60):
 class Postgres:
     """A PostgreSQL cluster on a free loopback port, run by the unprivileged user."""
 
-    def __init__(self, workdir: Path, conf: dict | None = None):
+    def __init__(self, workdir: Path, conf: dict | None = None, major: int | None = None):
+        self.bin = HOME / "pg" / str(major) / "bin" if major else PG_BIN
         self.dir = workdir / "pg"
         self.cgroup: Path | None = None
         self.dir.mkdir(parents=True)
@@ -68,7 +69,7 @@ class Postgres:
             shutil.chown(self.dir, RUN_AS)
             shutil.chown(self.dir / "pw", RUN_AS)
         self.ca = self._make_certificates()
-        as_pg([str(PG_BIN / "initdb"), "-D", str(self.dir / "data"), "-U", "postgres", "-A", "scram-sha-256",
+        as_pg([str(self.bin / "initdb"), "-D", str(self.dir / "data"), "-U", "postgres", "-A", "scram-sha-256",
                "--auth-local=trust", f"--pwfile={self.dir / 'pw'}", "--locale=C", "-E", "UTF8", "--no-sync"])
         with open(self.dir / "data" / "postgresql.auto.conf", "a") as f:
             f.write(f"listen_addresses = '127.0.0.1'\nunix_socket_directories = '{self.dir}'\nfsync = off\n"
@@ -99,7 +100,7 @@ class Postgres:
         return self.dir / "ca.pem"
 
     def start(self):
-        as_pg([str(PG_BIN / "pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-o",
+        as_pg([str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-o",
                f"-p {self.port}", "-w", "start"])
         if self.cgroup:
             self._enter_cgroup()
@@ -142,7 +143,7 @@ class Postgres:
 
     def stop(self, mode="fast"):
         subprocess.run((["runuser", "-u", RUN_AS, "--"] if os.geteuid() == 0 else [])
-                       + [str(PG_BIN / "pg_ctl"), "-D", str(self.dir / "data"), "-m", mode, "-w", "stop"],
+                       + [str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "-m", mode, "-w", "stop"],
                        capture_output=True)
 
     def restart(self):
@@ -151,15 +152,17 @@ class Postgres:
 
     def psql(self, sql: str, db: str = "postgres", options: str = "") -> str:
         env = dict(os.environ, PGPASSWORD=PASSWORD, PGOPTIONS=options)
-        out = subprocess.run([str(PG_BIN / "psql"), "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1",
+        out = subprocess.run([str(self.bin / "psql"), "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1",
                               "-p", str(self.port), "-U", "postgres", "-d", db, "-c", sql],
-                             check=True, capture_output=True, text=True, env=env)
+                             capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+            raise RuntimeError(f"psql -d {db} -c {sql[:200]!r}: {out.stderr.strip()}")
         return out.stdout.strip()
 
     def load_sample(self, db: str, scale: int = 1):
         self.psql(f'CREATE DATABASE "{db}"')
         env = dict(os.environ, PGPASSWORD=PASSWORD, PGOPTIONS=f"-c pghydrate.scale={scale}")
-        subprocess.run([str(PG_BIN / "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1", "-p",
+        subprocess.run([str(self.bin / "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1", "-p",
                         str(self.port), "-U", "postgres", "-d", db, "-f", str(ROOT / "scripts" / "sample.sql")],
                        check=True, capture_output=True, text=True, env=env)
         self.psql("VACUUM", db=db)
