@@ -7,7 +7,7 @@ export CARGO_TARGET_DIR ?= $(PGHYDRATE_HOME)/target
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: setup build demo test e2e twin-up twin-down unit check-infra bench-modes clean-demo
+.PHONY: setup build demo test e2e twin-up twin-down bench unit check-infra bench-modes clean-demo
 
 setup:
 	bash scripts/setup.sh
@@ -38,6 +38,13 @@ clean-demo:
 ## The state machine and SAM template, validated offline (asl-validator, cfn-lint).
 check-infra:
 	bash scripts/check-infra.sh
+
+## The hydration benchmark: strategies side by side on a simulated lazy-loaded volume (FUSE, needs root).
+## Prints a table; writes bench/results.json, bench/results.md, bench/hydration.svg. Options: BENCH_ARGS.
+bench: setup
+	$(CARGO) build --release --locked -p pghydrate-cli -p pghydrate-lazyvol
+	bash twin/up.sh --venv
+	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench.py $(BENCH_ARGS)
 
 ## Mode and range-size measurements behind docs/tuning.md (needs root: loop device, cgroup).
 bench-modes:

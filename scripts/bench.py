@@ -223,6 +223,7 @@ def main():
     ap.add_argument("--limit", type=float, default=300, help="seconds to wait for 100%% per strategy")
     ap.add_argument("--recipe-limit", type=float, default=60, help="seconds to wait after the recipe")
     ap.add_argument("--quick", action="store_true", help="fewer strategies (defaults, recipe, cat)")
+    ap.add_argument("--only", default="", help="run only the strategies whose name contains this text")
     ap.add_argument("--out", default=str(ROOT / "bench"))
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -242,6 +243,8 @@ def main():
                 strategies += [(f"pghydrate --sessions {n}", (lambda n=n: b.pghydrate("--sessions", str(n))))
                                for n in (4, 16)]
             for name, run in strategies:
+                if args.only and args.only not in name:
+                    continue
                 cold = b.cold()
                 results["ideal_s"][major] = ideal_seconds(cold, args)
                 r = run()

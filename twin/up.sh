@@ -3,6 +3,7 @@
 # Lambda binaries, and runs the end-to-end scenarios (`make e2e`). Extra arguments go to pytest.
 #   twin/up.sh --up     brings the twin up in the background and prints how to use it (`make twin-up`)
 #   twin/up.sh --down   stops it (`make twin-down`)
+#   twin/up.sh --venv   only installs the tooling (`make bench` uses its Python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HOME_DIR=${PGHYDRATE_HOME:-/var/tmp/pghydrate}
@@ -12,6 +13,7 @@ if ! "$VENV/bin/python" -c "import moto, pytest; assert moto.__version__ == '5.2
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q -r twin/requirements.txt
 fi
+[ "${1:-}" = --venv ] && exit 0
 [ "${1:-}" = --down ] && exec "$VENV/bin/python" twin/session.py down
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME_DIR/target}
 cargo build --locked --workspace

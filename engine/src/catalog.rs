@@ -61,7 +61,8 @@ pub async fn server_info(client: &Client) -> Result<ServerInfo> {
                     current_setting('max_connections')::int4,
                     current_setting('superuser_reserved_connections')::int4
                       + coalesce(current_setting('reserved_connections', true)::int4, 0),
-                    (SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE backend_type = 'client backend')::int4",
+                    (SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE backend_type = 'client backend')::int4,
+                    current_setting('io_method', true)",
             &[],
         )
         .await
@@ -85,6 +86,7 @@ pub async fn server_info(client: &Client) -> Result<ServerInfo> {
         max_connections: row.get::<_, i32>(5) as u32,
         reserved_connections: row.get::<_, i32>(6) as u32,
         connections_in_use: row.get::<_, i32>(7) as u32,
+        io_method: row.get(8),
     })
 }
 

@@ -26,6 +26,9 @@ pub struct ServerInfo {
     pub reserved_connections: u32,
     /// Client backends connected when the plan was made.
     pub connections_in_use: u32,
+    /// `io_method` (PostgreSQL 18+: worker, io_uring or sync); None before 18.
+    #[serde(default)]
+    pub io_method: Option<String>,
 }
 
 impl ServerInfo {

@@ -172,6 +172,7 @@ mod tests {
             max_connections: max,
             reserved_connections: reserved,
             connections_in_use: in_use,
+            io_method: None,
         }
     }
 

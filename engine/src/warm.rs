@@ -36,14 +36,18 @@ impl Mode {
         }
     }
 
-    /// The `auto` choice per server version (docs/tuning.md): from 17 on, `buffer` uses read streams
-    /// (combined I/O; asynchronous I/O from 18) and was measured faster; before 17 `buffer` and `read`
-    /// issue the same one-block reads and `read` does not churn shared_buffers.
+    /// The `auto` choice per server version, from the lazy-volume benchmark (docs/benchmark.md: 50 ms
+    /// per cold 512 KiB chunk, 8 fetches at once, 509 MiB): on 15 `read` and `buffer` tie (19.5 s);
+    /// on 17 `buffer` (read streams, I/O in the backend) takes the same 19.5 s; on 18 with
+    /// io_method = worker (the default) every `buffer` read goes through the io_workers (3 by
+    /// default), which caps the reads in flight: 40.9 s against 19.8 s for `read`. So: `buffer`
+    /// where it is not capped (17; 18 with io_uring or sync), `read` elsewhere (it does not churn
+    /// shared_buffers either).
     pub fn auto(server: &ServerInfo) -> Mode {
-        if server.major() >= 17 {
-            Mode::Buffer
-        } else {
-            Mode::Read
+        match server.major() {
+            17 => Mode::Buffer,
+            m if m >= 18 && matches!(server.io_method.as_deref(), Some("io_uring" | "sync")) => Mode::Buffer,
+            _ => Mode::Read,
         }
     }
 }

@@ -178,6 +178,7 @@ impl WorkItem {
                 max_connections: 0,
                 reserved_connections: 0,
                 connections_in_use: 0,
+                io_method: None,
             },
             range_blocks: 0,
             databases: vec![DatabaseEntry {
@@ -696,6 +697,7 @@ mod tests {
                 max_connections: 100,
                 reserved_connections: 3,
                 connections_in_use: 1,
+                io_method: None,
             },
             range_blocks,
             databases: (0..databases)

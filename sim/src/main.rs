@@ -628,7 +628,8 @@ impl Filesystem for Fs {
     fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
         let r = (|| -> Result<Vec<(u64, FileType, OsString)>, Errno> {
             let rel = self.0.rel(ino)?;
-            let mut out = vec![(ino.0, FileType::Directory, OsString::from(".")), (1, FileType::Directory, "..".into())];
+            let mut out =
+                vec![(ino.0, FileType::Directory, OsString::from(".")), (1, FileType::Directory, "..".into())];
             let mut entries: Vec<_> = fs::read_dir(self.0.full(&rel)).map_err(errno)?.filter_map(|e| e.ok()).collect();
             entries.sort_by_key(|e| e.file_name());
             for e in entries {
@@ -716,10 +717,7 @@ fn main() {
     }
     lazy.background();
     let mut config = Config::default();
-    config.mount_options = vec![
-        MountOption::FSName("pghydrate-lazyvol".into()),
-        MountOption::DefaultPermissions,
-    ];
+    config.mount_options = vec![MountOption::FSName("pghydrate-lazyvol".into()), MountOption::DefaultPermissions];
     config.acl = SessionACL::All;
     config.n_threads = Some(args.threads);
     config.clone_fd = true;
