@@ -7,7 +7,7 @@ export CARGO_TARGET_DIR ?= $(PGHYDRATE_HOME)/target
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: setup build demo test e2e twin-up twin-down bench unit check-infra bench-modes clean-demo
+.PHONY: setup build demo test e2e twin-up twin-down bench bench-plan unit check-infra bench-modes clean-demo
 
 setup:
 	bash scripts/setup.sh
@@ -45,6 +45,12 @@ bench: setup
 	$(CARGO) build --release --locked -p pghydrate-cli -p pghydrate-lazyvol
 	bash twin/up.sh --venv
 	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench.py $(BENCH_ARGS)
+
+## Planning at scale: 100,000 relations in 4 databases; wall time, peak memory, plan size (needs root).
+bench-plan: setup
+	$(CARGO) build --release --locked -p pghydrate-cli
+	bash twin/up.sh --venv
+	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench-plan.py $(BENCH_ARGS)
 
 ## Mode and range-size measurements behind docs/tuning.md (needs root: loop device, cgroup).
 bench-modes:
