@@ -135,11 +135,17 @@ class Postgres:
                 pass  # a backend that ended meanwhile
 
     def release_cgroup(self):
-        if self.cgroup and self.cgroup.exists():
+        """Removes the cgroup once the server's last process has left it (an immediate stop returns
+        before every backend has exited)."""
+        for _ in range(100):
+            if not (self.cgroup and self.cgroup.exists()):
+                return
             try:
                 self.cgroup.rmdir()
+                return
             except OSError:
-                pass
+                time.sleep(0.1)
+        raise RuntimeError(f"cgroup {self.cgroup} still has processes: {(self.cgroup / 'cgroup.procs').read_text()}")
 
     def stop(self, mode="fast"):
         subprocess.run((["runuser", "-u", RUN_AS, "--"] if os.geteuid() == 0 else [])
