@@ -151,7 +151,7 @@ _orig_send_to_targets = Rule.send_to_targets
 
 
 def _start_execution(rule: str, target: dict, body: str):
-    sfn = boto3.client("stepfunctions", region_name=REGION_OF(target["Arn"]),
+    sfn = boto3.client("stepfunctions", region_name=target["Arn"].split(":")[3],
                        endpoint_url=f"http://127.0.0.1:{os.environ['MOTO_PORT']}",
                        aws_access_key_id="events", aws_secret_access_key="events")
     record = {"rule": rule, "target": target["Arn"]}
@@ -161,10 +161,6 @@ def _start_execution(rule: str, target: dict, body: str):
         record["error"] = str(e)
     with LOCK:
         DELIVERIES.append(record)
-
-
-def REGION_OF(arn: str) -> str:
-    return arn.split(":")[3]
 
 
 def _send_to_targets(self, original_event, transform_input=True):

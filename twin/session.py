@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from twin import HOME, PASSWORD, ROOT, Twin
+from twin import HOME, PASSWORD, ROOT, Twin, event_entry
 
 STATE = HOME / "twin-up"
 
@@ -94,9 +94,7 @@ def main(argv):
         raise SystemExit(f"twin (pid {pid}) did not stop in 30 s")
     elif cmd == "event" and len(argv) == 3:
         event = json.loads(Path(argv[2]).read_text())
-        r = client("events").put_events(Entries=[{
-            "Source": event["source"], "DetailType": event["detail-type"], "Resources": event.get("resources", []),
-            "Detail": json.dumps(event["detail"])}])
+        r = client("events").put_events(Entries=[event_entry(event)])
         print(json.dumps(r["Entries"]))
     elif cmd == "executions":
         sfn = client("stepfunctions")

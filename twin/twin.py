@@ -56,6 +56,12 @@ def wait_http(url: str, seconds: float = 60):
     raise TimeoutError(f"{url} did not answer in {seconds}s")
 
 
+def event_entry(event: dict) -> dict:
+    """A PutEvents entry for an event as EventBridge delivers it (source, detail-type, resources, detail)."""
+    return {"Source": event["source"], "DetailType": event["detail-type"], "Resources": event.get("resources", []),
+            "Detail": json.dumps(event["detail"])}
+
+
 class Postgres:
     """A PostgreSQL cluster on a free loopback port, run by the unprivileged user."""
 
@@ -310,9 +316,7 @@ class Twin:
 
     def put_event(self, event: dict):
         """Delivers an event to the default bus, as RDS does (source, detail-type, resources, detail)."""
-        r = self.client("events").put_events(Entries=[{
-            "Source": event["source"], "DetailType": event["detail-type"], "Resources": event.get("resources", []),
-            "Detail": json.dumps(event["detail"])}])
+        r = self.client("events").put_events(Entries=[event_entry(event)])
         assert r["FailedEntryCount"] == 0, r
 
     def deliveries(self) -> list:

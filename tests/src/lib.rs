@@ -518,3 +518,39 @@ impl Drop for CuttingProxy {
         self.task.abort();
     }
 }
+
+/// For each warmed fork: every block 0..blocks is in shared_buffers (pg_buffercache), found through
+/// the relation's current file node in its database.
+pub async fn assert_all_blocks_buffered(cluster: &Cluster, r: &pghydrate::report::Report) -> usize {
+    let mut by_db: std::collections::BTreeMap<String, Vec<&pghydrate::report::RelationReport>> =
+        std::collections::BTreeMap::new();
+    for x in r.relations.iter().filter(|x| x.outcome == "warmed" && x.blocks > 0) {
+        by_db.entry(x.database.clone()).or_default().push(x);
+    }
+    let mut checked = 0;
+    for (db, rels) in by_db {
+        let c = cluster.client(&db).await;
+        for x in rels {
+            let row = c
+                .query_one(
+                    "SELECT count(DISTINCT b.relblocknumber)
+                       FROM pg_buffercache b
+                      WHERE b.relfilenode = pg_relation_filenode($1::oid::regclass)
+                        AND b.reldatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))
+                        AND b.relforknumber = CASE $2 WHEN 'main' THEN 0 WHEN 'fsm' THEN 1 WHEN 'vm' THEN 2 ELSE 3 END
+                        AND b.relblocknumber < $3",
+                    &[&x.oid, &x.fork, &(x.blocks as i64)],
+                )
+                .await
+                .unwrap();
+            let buffered: i64 = row.get(0);
+            assert_eq!(
+                buffered as u64, x.blocks,
+                "{db}: {}.{} ({}) has {buffered} of {} blocks in shared buffers",
+                x.schema, x.name, x.fork, x.blocks
+            );
+            checked += 1;
+        }
+    }
+    checked
+}

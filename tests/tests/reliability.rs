@@ -15,7 +15,10 @@ use pghydrate::report;
 use pghydrate::run::{RunOptions, RunState};
 use pghydrate::warm::{Counters, Mode, WarmOptions};
 use pghydrate::ConnectionSpec;
-use pghydrate_tests::{assert_outcomes_partition_plan, cli, test_tls, Cluster, CuttingProxy, SUPERUSER_PASSWORD};
+use pghydrate_tests::{
+    assert_all_blocks_buffered, assert_outcomes_partition_plan, cli, test_tls, Cluster, CuttingProxy,
+    SUPERUSER_PASSWORD,
+};
 
 fn plan_opts(dbs: &[&str]) -> PlanOptions {
     PlanOptions {
@@ -302,21 +305,7 @@ async fn network_cuts_are_survived(major: u32) {
         assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
     }
     // Every block really is in shared_buffers: the cuts lost nothing.
-    let c = cluster.client("app").await;
-    for x in r.relations.iter().filter(|x| x.database == "app" && x.blocks > 0 && x.outcome == "warmed") {
-        let n: i64 = c
-            .query_one(
-                "SELECT count(DISTINCT relblocknumber) FROM pg_buffercache
-                  WHERE relfilenode = pg_relation_filenode($1::oid::regclass)
-                    AND reldatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))
-                    AND relforknumber = CASE $2 WHEN 'main' THEN 0 WHEN 'fsm' THEN 1 WHEN 'vm' THEN 2 ELSE 3 END",
-                &[&x.oid, &x.fork],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        assert_eq!(n as u64, x.blocks, "{}.{} {}", x.schema, x.name, x.fork);
-    }
+    assert_all_blocks_buffered(&cluster, &r).await;
 }
 
 /// Relations rewritten after planning (VACUUM FULL after a large DELETE, CLUSTER): the run reads their
