@@ -1,6 +1,8 @@
 //! Discovery: the server, its databases, pg_prewarm in each, and every relation fork with storage,
 //! sized exactly with pg_relation_size (never relpages). Relations are addressed by oid; names are only
-//! ever data, and any SQL text that names an object is quoted by the server (format('%I')).
+//! ever data (see [`crate::sql`] for where executed SQL text may come from). Every query here runs on a
+//! session whose search path is pinned to pg_catalog, so its unqualified functions and operators are
+//! the system's, whatever a database's users created.
 
 use std::collections::HashSet;
 use std::time::Instant;
@@ -14,6 +16,7 @@ use crate::pattern::{glob, RelationPattern};
 use crate::plan::{
     order_ranges, DatabaseEntry, Fork, ForkEntry, Plan, RelKind, ServerInfo, Skip, SkipReason, PLAN_FORMAT,
 };
+use crate::sql::prewarm_call;
 
 /// What to plan. Patterns are validated against the server: one that matches nothing is an error.
 #[derive(Debug, Clone, Default)]
@@ -155,7 +158,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
             name: d.name.clone(),
             outcome: "skipped".into(),
             reason: Some(reason),
-            prewarm_function: None,
+            prewarm_schema: None,
             counts_against_coverage: counts,
         };
         if let Some(p) = excluded_by {
@@ -200,7 +203,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
                 continue;
             }
         };
-        let (function, ext_problem, note) = ensure_extension(&client, &d.name, opts).await?;
+        let (prewarm_schema, ext_problem, note) = ensure_extension(&client, &d.name, opts).await?;
         let mut db_forks = list_forks(&client, &d.name, &server, opts.lock_attempts.max(1)).await?;
         db_forks.retain(|f| {
             // Shared catalogs appear in every database: read them once.
@@ -226,7 +229,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
             name: d.name.clone(),
             outcome: if ext_problem.is_some() { "skipped".into() } else { "planned".into() },
             reason: ext_problem.or(note),
-            prewarm_function: function,
+            prewarm_schema,
             counts_against_coverage: true,
         });
     }
@@ -263,18 +266,35 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
     Ok(plan)
 }
 
-/// Returns the schema-qualified pg_prewarm function, or why it is not available, and a note for a
-/// dry run that plans as if `run` will create it.
+/// Returns the schema pg_prewarm's extension lives in (a label: the call itself is resolved again on
+/// the server by every warming session), or why it is not available, and a note for a dry run that
+/// plans as if `run` will create it.
 async fn ensure_extension(
     client: &Client,
     db: &str,
     opts: &PlanOptions,
 ) -> Result<(Option<String>, Option<String>, Option<String>)> {
-    const FIND: &str = "SELECT format('%I.pg_prewarm', n.nspname)
-                          FROM pg_catalog.pg_extension e JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace
-                         WHERE e.extname = 'pg_prewarm'";
-    if let Some(row) = client.query_opt(FIND, &[]).await.map_err(|e| Error::query("finding pg_prewarm", e))? {
-        return Ok((Some(row.get(0)), None, None));
+    if let Some((schema, _)) = prewarm_call(client).await.map_err(|e| Error::query("finding pg_prewarm", e))? {
+        return Ok((Some(schema), None, None));
+    }
+    if let Some(row) = client
+        .query_opt(
+            "SELECT n.nspname::text FROM pg_catalog.pg_extension e JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace
+              WHERE e.extname = 'pg_prewarm'",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::query("finding pg_prewarm", e))?
+    {
+        let schema: String = row.get(0);
+        return Ok((
+            None,
+            Some(format!(
+                "the pg_prewarm extension in schema {schema:?} has no member function pg_prewarm(regclass, text, text, \
+                 bigint, bigint): update it (ALTER EXTENSION pg_prewarm UPDATE)"
+            )),
+            None,
+        ));
     }
     let available = client
         .query_opt("SELECT 1 FROM pg_catalog.pg_available_extensions WHERE name = 'pg_prewarm'", &[])
@@ -288,13 +308,18 @@ async fn ensure_extension(
         return Ok((None, Some("pg_prewarm is not installed (and --no-create-extension was given)".into()), None));
     }
     if opts.dry_run {
-        return Ok((None, None, Some("pg_prewarm missing: run will CREATE EXTENSION pg_prewarm".into())));
+        return Ok((None, None, Some("pg_prewarm missing: run will CREATE EXTENSION pg_prewarm SCHEMA public".into())));
     }
-    match client.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm").await {
+    // In `public`, named: with the search path pinned to pg_catalog, the default would be pg_catalog.
+    // A same-signature function planted there beforehand makes this fail (PostgreSQL refuses to adopt
+    // it into the extension), and the database is skipped with that reason.
+    match client.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm SCHEMA public").await {
         Ok(()) => {
-            info!(database = %db, "created extension pg_prewarm");
-            let row = client.query_one(FIND, &[]).await.map_err(|e| Error::query("finding pg_prewarm", e))?;
-            Ok((Some(row.get(0)), None, None))
+            info!(database = %db, "created extension pg_prewarm in schema public");
+            match prewarm_call(client).await.map_err(|e| Error::query("finding pg_prewarm", e))? {
+                Some((schema, _)) => Ok((Some(schema), None, None)),
+                None => Ok((None, Some("pg_prewarm was created but its function is not there".into()), None)),
+            }
         }
         Err(e) => {
             warn!(database = %db, error = %describe(&e), "pg_prewarm missing and not creatable");

@@ -17,6 +17,7 @@ use tokio_postgres::{Client, Config};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::error::{describe, Error, Result};
+use crate::sql::{SEARCH_PATH, SEARCH_PATH_OPTION};
 
 /// libpq's sslmode values. `prefer` and `require` encrypt without verifying the certificate (as libpq
 /// does); `verify-ca` checks the chain against the CA bundle; `verify-full` also checks the host name.
@@ -70,6 +71,8 @@ pub struct ConnectionSpec {
     application_name: String,
     lock_timeout: Duration,
     statement_timeout: Duration,
+    /// Startup options the user gave (PGOPTIONS, `options=`); the search path pin follows them.
+    user_options: Option<String>,
 }
 
 impl std::fmt::Debug for ConnectionSpec {
@@ -160,6 +163,7 @@ impl ConnectionSpec {
         if let Some(d) = env("PGDATABASE") {
             config.dbname(&d);
         }
+        let mut user_options = env("PGOPTIONS").filter(|o| !o.trim().is_empty());
         if let Some(t) = env("PGCONNECT_TIMEOUT") {
             let secs: u64 = t
                 .parse()
@@ -213,6 +217,9 @@ impl ConnectionSpec {
             if let Some(t) = parsed.get_connect_timeout() {
                 config.connect_timeout(*t);
             }
+            if let Some(o) = parsed.get_options().filter(|o| !o.trim().is_empty()) {
+                user_options = Some(o.to_string());
+            }
         }
         if config.get_hosts().is_empty() {
             config.host("localhost");
@@ -231,6 +238,7 @@ impl ConnectionSpec {
             application_name: "pghydrate".into(),
             lock_timeout: Duration::from_secs(5),
             statement_timeout: Duration::from_secs(300),
+            user_options,
         })
     }
 
@@ -349,11 +357,17 @@ impl ConnectionSpec {
     }
 
     /// Opens one session to `database`. The connection task runs on the current runtime and ends when
-    /// the client is dropped.
+    /// the client is dropped. The session's search path is pinned before its first query (see
+    /// [`crate::sql`]): the startup option comes after any the user gave, so it wins, and the first
+    /// statement sets it again in case a pooler dropped the startup option.
     pub async fn connect(&self, database: &str) -> Result<Client> {
         let mut config = self.config.clone();
         config.dbname(database);
         config.application_name(&self.application_name);
+        config.options(match &self.user_options {
+            Some(o) => format!("{o} {SEARCH_PATH_OPTION}"),
+            None => SEARCH_PATH_OPTION.to_string(),
+        });
         config.ssl_mode(match self.tls {
             _ if self.is_local_socket() => SslMode::Disable,
             TlsMode::Disable => SslMode::Disable,
@@ -368,11 +382,15 @@ impl ConnectionSpec {
                 tracing::debug!(error = %describe(&e), "session ended");
             }
         });
-        // No statement of this tool may wait on a lock or run without bound.
+        // The search path first (every name in this very statement is qualified), then: no statement
+        // of this tool may wait on a lock or run without bound.
         client
             .query_one(
-                "SELECT pg_catalog.set_config('lock_timeout', $1, false), pg_catalog.set_config('statement_timeout', $2, false)",
+                "SELECT pg_catalog.set_config('search_path'::pg_catalog.text, $1::pg_catalog.text, false),
+                        pg_catalog.set_config('lock_timeout'::pg_catalog.text, $2::pg_catalog.text, false),
+                        pg_catalog.set_config('statement_timeout'::pg_catalog.text, $3::pg_catalog.text, false)",
                 &[
+                    &SEARCH_PATH,
                     &format!("{}ms", self.lock_timeout.as_millis().max(1)),
                     &format!("{}ms", self.statement_timeout.as_millis().max(1)),
                 ],

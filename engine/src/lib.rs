@@ -4,7 +4,9 @@
 //! - [`warm`] reads the plan's block ranges with pg_prewarm in parallel sessions;
 //! - [`maintain`] runs ANALYZE / VACUUM ANALYZE;
 //! - [`run::RunState`] is a whole hydration as one serializable value (the continuation);
-//! - [`report`] turns a state into the report.
+//! - [`report`] turns a state into the report;
+//! - [`sql`] states where executed SQL text may come from (never from state), and pins every session's
+//!   search path.
 
 #[cfg(feature = "aws")]
 pub mod aws;
@@ -17,6 +19,7 @@ pub mod pattern;
 pub mod plan;
 pub mod report;
 pub mod run;
+pub mod sql;
 pub mod warm;
 pub mod workflow;
 

@@ -9,6 +9,7 @@ use tracing::{info, warn};
 
 use crate::connect::ConnectionSpec;
 use crate::error::{describe, is_connection_error, Error, Result};
+use crate::sql::maintenance_statement;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -18,15 +19,13 @@ pub enum Maintenance {
     VacuumAnalyze,
 }
 
-/// One table to maintain. `qualified` is quoted by the server (format('%I.%I')), never by us.
+/// One table to maintain: its oid, and its name as a label for the report. The statement is built by
+/// the server from the oid when it runs ([`crate::sql`]); nothing here is ever SQL.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct MaintenanceTarget {
     pub database: String,
     pub table: String,
     pub oid: u32,
-    qualified: String,
-    partitioned: bool,
-    allowed: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -66,49 +65,28 @@ pub async fn targets(
                 continue;
             }
         };
-        let version: i32 = client
-            .query_one("SELECT current_setting('server_version_num')::int4", &[])
+        let rows = client
+            .query(
+                "SELECT c.oid, (n.nspname || '.' || c.relname)::text
+                   FROM pg_catalog.pg_class c
+                   JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+                  WHERE c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'
+                    AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_toast%'
+                  ORDER BY c.oid",
+                &[],
+            )
             .await
-            .map_err(|e| Error::query("reading server_version_num", e))?
-            .get(0);
-        let sql = targets_sql(version >= 170000);
-        let rows = client.query(&sql, &[]).await.map_err(|e| Error::query("listing tables to maintain", e))?;
+            .map_err(|e| Error::query("listing tables to maintain", e))?;
         for r in rows {
             let oid: u32 = r.get(0);
             let table: String = r.get(1);
             if excluded(db, &table) {
                 continue;
             }
-            out.push(MaintenanceTarget {
-                database: db.clone(),
-                table,
-                oid,
-                qualified: r.get(2),
-                partitioned: r.get(3),
-                allowed: r.get(4),
-            });
+            out.push(MaintenanceTarget { database: db.clone(), table, oid });
         }
     }
     Ok(out)
-}
-
-fn targets_sql(has_maintain_privilege: bool) -> String {
-    let maintain_priv = if has_maintain_privilege {
-        "pg_catalog.has_table_privilege(c.oid, 'MAINTAIN')"
-    } else {
-        "(pg_catalog.pg_has_role(c.relowner, 'USAGE') OR pg_catalog.pg_has_role(d.datdba, 'USAGE')
-          OR (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user))"
-    };
-    format!(
-        "SELECT c.oid, (n.nspname || '.' || c.relname)::text, format('%I.%I', n.nspname, c.relname),
-                c.relkind = 'p', {maintain_priv}
-           FROM pg_catalog.pg_class c
-           JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-           JOIN pg_catalog.pg_database d ON d.datname = current_database()
-          WHERE c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'
-            AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_toast%'
-          ORDER BY c.oid"
-    )
 }
 
 /// Maintains `targets` in order, one session per database. Returns results and the targets left when
@@ -120,67 +98,77 @@ pub async fn maintain(
 ) -> (Vec<MaintenanceResult>, Vec<MaintenanceTarget>) {
     let mut results = Vec::new();
     let mut pending: std::collections::VecDeque<MaintenanceTarget> = targets.into();
-    let mut session: Option<(String, tokio_postgres::Client)> = None;
-    let action_name = |t: &MaintenanceTarget| match (opts.action, t.partitioned) {
-        (Maintenance::VacuumAnalyze, false) => "VACUUM ANALYZE",
-        _ => "ANALYZE",
-    };
+    // (database, session, server_version_num)
+    let mut session: Option<(String, tokio_postgres::Client, i32)> = None;
+    let vacuum = opts.action == Maintenance::VacuumAnalyze;
     while let Some(t) = pending.pop_front() {
         let left = opts.deadline.map(|d| d.saturating_duration_since(Instant::now()));
         if left.is_some_and(|l| l <= opts.margin) {
             pending.push_front(t);
             break;
         }
-        let action = action_name(&t).to_string();
-        let done = |outcome: &str, reason: Option<String>, seconds: f64| MaintenanceResult {
+        let result = |action: &str, outcome: &str, reason: Option<String>, seconds: f64| MaintenanceResult {
             database: t.database.clone(),
             table: t.table.clone(),
-            action: action.clone(),
+            action: action.into(),
             outcome: outcome.into(),
             reason,
             seconds,
         };
-        if !t.allowed {
-            results.push(done("skipped", Some("only the owner (or MAINTAIN privilege) may do this".into()), 0.0));
-            continue;
-        }
-        if session.as_ref().is_none_or(|(db, _)| db != &t.database) {
-            session = match spec.connect(&t.database).await {
-                Ok(c) => Some((t.database.clone(), c)),
-                Err(e) => {
-                    results.push(done("skipped", Some(format!("cannot connect: {e}")), 0.0));
-                    None
-                }
+        let planned_action = if vacuum { "VACUUM ANALYZE" } else { "ANALYZE" };
+        if session.as_ref().is_none_or(|(db, _, _)| db != &t.database) {
+            session = None;
+            let opened = async {
+                let client = spec.connect(&t.database).await?;
+                let version: i32 = client
+                    .query_one("SELECT current_setting('server_version_num')::int4", &[])
+                    .await
+                    .map_err(|e| Error::query("reading server_version_num", e))?
+                    .get(0);
+                Ok::<_, Error>((t.database.clone(), client, version))
             };
-            if session.is_none() {
-                continue;
+            match opened.await {
+                Ok(s) => session = Some(s),
+                Err(e) => {
+                    results.push(result(planned_action, "skipped", Some(format!("cannot connect: {e}")), 0.0));
+                    continue;
+                }
             }
         }
-        let client = &session.as_ref().unwrap().1;
+        let (_, client, version) = session.as_ref().unwrap();
         let mut timeout = opts.statement_timeout;
         if let Some(l) = left {
             timeout = timeout.min(l.saturating_sub(opts.margin / 2)).max(Duration::from_millis(100));
         }
         let started = Instant::now();
-        let set = client
-            .query_one(
-                "SELECT pg_catalog.set_config('statement_timeout', $1, false), pg_catalog.set_config('lock_timeout', $2, false)",
-                &[&format!("{}ms", timeout.as_millis()), &format!("{}ms", opts.lock_timeout.as_millis().max(1))],
-            )
-            .await;
-        let res = match set {
-            Ok(_) => client.batch_execute(&format!("{action} {}", t.qualified)).await,
-            Err(e) => Err(e),
-        };
+        // The statement is built by the server from the oid, now; the target's name is only a label.
+        let res = async {
+            client
+                .query_one(
+                    "SELECT pg_catalog.set_config('statement_timeout', $1, false), pg_catalog.set_config('lock_timeout', $2, false)",
+                    &[&format!("{}ms", timeout.as_millis()), &format!("{}ms", opts.lock_timeout.as_millis().max(1))],
+                )
+                .await?;
+            let Some(st) = maintenance_statement(client, t.oid, vacuum, *version).await? else {
+                return Ok((planned_action, Some("dropped during the run (no such table any more)".to_string())));
+            };
+            if !st.allowed {
+                return Ok((st.action, Some("only the owner (or MAINTAIN privilege) may do this".to_string())));
+            }
+            client.batch_execute(st.sql.as_str()).await?;
+            Ok((st.action, None))
+        }
+        .await;
         let secs = started.elapsed().as_secs_f64();
         match res {
-            Ok(()) => {
-                tracing::debug!(database = %t.database, table = %t.table, action = %action, seconds = secs, "maintained");
-                results.push(done("done", None, secs));
+            Ok((action, None)) => {
+                tracing::debug!(database = %t.database, table = %t.table, action, seconds = secs, "maintained");
+                results.push(result(action, "done", None, secs));
             }
+            Ok((action, Some(reason))) => results.push(result(action, "skipped", Some(reason), secs)),
             Err(e) if is_connection_error(&e) => {
                 session = None;
-                results.push(done("skipped", Some(format!("session lost: {}", describe(&e))), secs));
+                results.push(result(planned_action, "skipped", Some(format!("session lost: {}", describe(&e))), secs));
             }
             Err(e) if e.code() == Some(&SqlState::QUERY_CANCELED) && left.is_some() => {
                 pending.push_front(t);
@@ -188,7 +176,7 @@ pub async fn maintain(
             }
             Err(e) => {
                 warn!(database = %t.database, table = %t.table, error = %describe(&e), "maintenance skipped");
-                results.push(done("skipped", Some(describe(&e)), secs));
+                results.push(result(planned_action, "skipped", Some(describe(&e)), secs));
             }
         }
     }

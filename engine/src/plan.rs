@@ -144,9 +144,10 @@ pub struct DatabaseEntry {
     pub outcome: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
-    /// Schema-qualified, server-quoted pg_prewarm function name.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prewarm_function: Option<String>,
+    /// The schema pg_prewarm's extension lives in. A label for people: the function a session calls
+    /// is found again by that session on the server (`crate::sql`), never taken from here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prewarm_schema: Option<String>,
     /// Whether this database being skipped makes the run incomplete (templates and
     /// non-connectable databases by definition do not).
     pub counts_against_coverage: bool,
@@ -192,9 +193,29 @@ impl Plan {
         self.ranges.iter().map(BlockRange::blocks).sum()
     }
 
-    pub fn prewarm_function(&self, database: &str) -> Option<&str> {
-        self.databases.iter().find(|d| d.name == database).and_then(|d| d.prewarm_function.as_deref())
+    /// A plan read from a file or state is data someone may have edited: every range must name a fork
+    /// of the plan and be a well-formed block range, and the block size must be sane.
+    pub fn validate(&self) -> crate::error::Result<()> {
+        if !(512..=65536).contains(&self.server.block_size) || !self.server.block_size.is_power_of_two() {
+            return Err(crate::error::Error::InvalidInput(format!(
+                "block size {} is not a PostgreSQL block size",
+                self.server.block_size
+            )));
+        }
+        check_ranges(&self.ranges, self.forks.len())
     }
+}
+
+/// Every range names one of `forks` forks and has first <= last.
+pub fn check_ranges<'a>(ranges: impl IntoIterator<Item = &'a BlockRange>, forks: usize) -> crate::error::Result<()> {
+    for r in ranges {
+        if r.fork as usize >= forks || r.first > r.last || r.last > u32::MAX as u64 {
+            return Err(crate::error::Error::InvalidInput(format!(
+                "block range {r:?} does not fit the {forks} forks listed (or is not a block range)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Splits `blocks` blocks into consecutive inclusive ranges of at most `range_blocks`.

@@ -97,6 +97,15 @@ impl RunState {
                 state.format
             )));
         }
+        // Edited by someone, perhaps: it is data, and must at least be consistent data.
+        state.plan.validate()?;
+        crate::plan::check_ranges(
+            state.pending.iter().chain(state.outcomes.iter().map(|o| &o.range)),
+            state.plan.forks.len(),
+        )?;
+        if state.sessions == 0 {
+            return Err(Error::InvalidInput("the continuation's sessions must be at least 1".into()));
+        }
         Ok(state)
     }
 

@@ -16,6 +16,7 @@ use tracing::{debug, info, warn};
 use crate::connect::ConnectionSpec;
 use crate::error::{describe, is_connection_error, Error, Result};
 use crate::plan::{BlockRange, Plan, ServerInfo, Skip, SkipReason};
+use crate::sql::{prewarm_call, ServerSql};
 
 /// pg_prewarm's modes. `read` and `buffer` read every block synchronously (verified hydration);
 /// `prefetch` only asks the kernel (posix_fadvise) and returns before the I/O is done.
@@ -180,6 +181,8 @@ pub async fn warm(
 struct Session {
     database: String,
     client: Client,
+    /// The pg_prewarm call as this session's server resolved it (None: the extension is not there).
+    prewarm: Option<ServerSql>,
     role: Option<String>,
     statement_timeout_ms: u64,
 }
@@ -305,10 +308,13 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, Stri
                     .await
                     .map_err(|e| Error::query("setting lock_timeout", e))?;
             }
-            Ok::<_, Error>(client)
+            let prewarm = prewarm_call(&client).await.map_err(|e| Error::query("finding pg_prewarm", e))?;
+            Ok::<_, Error>((client, prewarm.map(|(_, call)| call)))
         };
         match attempt.await {
-            Ok(client) => return Ok(Session { database: db.to_string(), client, role: None, statement_timeout_ms: 0 }),
+            Ok((client, prewarm)) => {
+                return Ok(Session { database: db.to_string(), client, prewarm, role: None, statement_timeout_ms: 0 })
+            }
             Err(e) => {
                 if !e.is_retryable() || started.elapsed() >= s.opts.reconnect_for || s.deadline_near() {
                     return Err(e.to_string());
@@ -334,11 +340,6 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
         );
         return false;
     }
-    let Some(function) = s.plan.prewarm_function(&fork.database).map(str::to_string) else {
-        s.skip(range, SkipReason::NoExtension, "pg_prewarm is not available in this database".into(), None);
-        return false;
-    };
-
     if session.as_ref().is_none_or(|x| x.database != fork.database) {
         *session = None;
         match open_session(s, &fork.database).await {
@@ -355,6 +356,15 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
         }
     }
     let sess = session.as_mut().unwrap();
+    let Some(prewarm) = sess.prewarm.clone() else {
+        s.skip(
+            range,
+            SkipReason::NoExtension,
+            format!("pg_prewarm's extension is not installed in database {:?}", fork.database),
+            Some("CREATE EXTENSION pg_prewarm (as a superuser or rds_superuser)".into()),
+        );
+        return false;
+    };
 
     // Statement timeout: never past the deadline (minus half the margin), never above the option.
     let mut timeout = s.opts.statement_timeout;
@@ -395,10 +405,9 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
     let result = match prepared {
         Err(e) => Err(e),
         Ok(()) => {
-            let sql = format!("SELECT {function}($1::pg_catalog.oid::pg_catalog.regclass, $2, $3, $4, $5)");
             sess.client
                 .query_one(
-                    &sql,
+                    prewarm.as_str(),
                     &[
                         &fork.oid,
                         &s.opts.mode.as_str(),
@@ -465,6 +474,21 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
             } else {
                 s.skip(range, SkipReason::StatementTimeout, describe(&e), None);
             }
+            false
+        }
+        Err(e) if e.code() == Some(&SqlState::AMBIGUOUS_FUNCTION) => {
+            // Someone created, beside the extension's pg_prewarm, an overload with extra defaulted
+            // arguments: PostgreSQL refuses the call (nothing runs). Reported, with the way out.
+            s.skip(
+                range,
+                SkipReason::Error,
+                format!("{} (another role created an overload of pg_prewarm in the extension's schema)", describe(&e)),
+                Some(
+                    "drop the pg_prewarm functions that are not members of the extension (\\df pg_prewarm) and \
+                     REVOKE CREATE on that schema FROM PUBLIC"
+                        .into(),
+                ),
+            );
             false
         }
         Err(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {

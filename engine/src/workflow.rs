@@ -27,7 +27,6 @@ pub const INLINE_ITEMS_LIMIT: usize = 40;
 pub struct WorkItem {
     pub id: u32,
     pub database: String,
-    pub prewarm_function: String,
     /// The pg_prewarm mode, resolved for the server when planning.
     pub mode: Mode,
     pub block_size: u64,
@@ -58,10 +57,6 @@ pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec
     for r in &plan.ranges {
         let fork = plan.fork(r);
         let db = &fork.database;
-        let function = plan
-            .prewarm_function(db)
-            .ok_or_else(|| Error::InvalidInput(format!("database {db:?} has ranges but no pg_prewarm")))?
-            .to_string();
         let fork_cost = json_len(fork);
         let range_cost = json_len(r) + 8;
         let fits = |i: usize, items: &Vec<WorkItem>, sizes: &Vec<usize>| {
@@ -76,7 +71,6 @@ pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec
                 let item = WorkItem {
                     id: items.len() as u32,
                     database: db.clone(),
-                    prewarm_function: function,
                     mode: Mode::auto(&plan.server),
                     block_size: plan.server.block_size,
                     forks: Vec::new(),
@@ -128,6 +122,14 @@ impl WorkItem {
     /// Warms this item's pending ranges until done or until `deadline` (minus `opts.margin`); records
     /// the totals and keeps exactly the ranges not yet read.
     pub async fn advance(&mut self, spec: &ConnectionSpec, opts: &WarmOptions) -> Result<()> {
+        // An item comes from state that someone may have edited: it is data, and must be consistent.
+        crate::plan::check_ranges(&self.pending, self.forks.len())?;
+        if !(512..=65536).contains(&self.block_size) || !self.block_size.is_power_of_two() {
+            return Err(Error::InvalidInput(format!(
+                "work item {}: block size {} is not valid",
+                self.id, self.block_size
+            )));
+        }
         self.calls += 1;
         if self.pending.is_empty() {
             return Ok(());
@@ -185,7 +187,7 @@ impl WorkItem {
                 name: self.database.clone(),
                 outcome: "planned".into(),
                 reason: None,
-                prewarm_function: Some(self.prewarm_function.clone()),
+                prewarm_schema: None,
                 counts_against_coverage: true,
             }],
             forks: self.forks.clone(),
@@ -705,7 +707,7 @@ mod tests {
                     name: format!("db{d}"),
                     outcome: "planned".into(),
                     reason: None,
-                    prewarm_function: Some("public.pg_prewarm".into()),
+                    prewarm_schema: Some("public".into()),
                     counts_against_coverage: true,
                 })
                 .collect(),

@@ -373,9 +373,15 @@ pub fn pghydrate_bin() -> PathBuf {
 
 /// Runs the CLI with `args`; returns (exit code, stdout, stderr).
 pub fn cli(args: &[&str], cwd: &Path) -> (i32, String, String) {
+    cli_env(args, cwd, &[])
+}
+
+/// Runs the CLI with `args` and extra environment variables.
+pub fn cli_env(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> (i32, String, String) {
     let out = Command::new(pghydrate_bin())
         .args(args)
         .current_dir(cwd)
+        .envs(env.iter().copied())
         .env_remove("PGPASSWORD")
         .env("PGHYDRATE_LOG", "warn")
         .output()
@@ -553,4 +559,77 @@ pub async fn assert_all_blocks_buffered(cluster: &Cluster, r: &pghydrate::report
         }
     }
     checked
+}
+
+/// A client whose search path is pinned to pg_catalog, for the tests' own checks in a database where
+/// a hostile role planted overloads in public (an unpinned client would run them itself).
+pub async fn pinned_client(cluster: &Cluster, db: &str) -> Client {
+    let mut cfg = tokio_postgres::Config::new();
+    cfg.host("127.0.0.1")
+        .port(cluster.port)
+        .user(SUPERUSER)
+        .password(SUPERUSER_PASSWORD)
+        .dbname(db)
+        .options("-c search_path=pg_catalog,pg_temp");
+    let (client, conn) = cfg.connect(NoTls).await.unwrap_or_else(|e| panic!("connect to {db}: {e}"));
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    client
+}
+
+/// What the hostile role planted in one database.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Planted {
+    pub functions: i32,
+    pub aggregates: i32,
+    pub operators: i32,
+}
+
+impl Planted {
+    pub fn total(&self) -> i32 {
+        self.functions + self.aggregates + self.operators
+    }
+}
+
+fn hostile_script(args: &[&str]) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("hostile_catalog.py");
+    let out = Command::new("python3").arg(&script).args(args).output().expect("python3");
+    assert!(out.status.success(), "{}: {}", script.display(), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Gives `role` (which must exist) the schema `hostile` in `db`, with its trap and counters
+/// (tests/hostile_catalog.py), and CREATE on public and on pg_prewarm's schema, as PostgreSQL 14 and
+/// earlier gave everyone. Plants nothing yet.
+pub async fn hostile_setup(cluster: &Cluster, db: &str, role: &str) {
+    let c = cluster.client(db).await;
+    c.batch_execute(&hostile_script(&["setup", role]))
+        .await
+        .unwrap_or_else(|e| panic!("hostile set-up in {db}: {e:?}"));
+}
+
+/// Plants, as `role`, an overload of every function, aggregate and operator name in the project's SQL
+/// text in every schema `role` can create in (tests/hostile_catalog.py). Returns what was planted.
+pub async fn hostile_plant(cluster: &Cluster, db: &str, role: &str) -> Planted {
+    let c = cluster.client(db).await;
+    let msgs =
+        c.simple_query(&hostile_script(&["sql", role])).await.unwrap_or_else(|e| panic!("planting in {db}: {e:?}"));
+    let row = msgs
+        .iter()
+        .rev()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+            _ => None,
+        })
+        .expect("the planting script ends with its counts");
+    let n = |i: usize| row.get(i).unwrap().parse::<i32>().unwrap();
+    Planted { functions: n(0), aggregates: n(1), operators: n(2) }
+}
+
+/// How many times anything the hostile role planted ran in `db`, and as which roles.
+pub async fn hostile_runs(cluster: &Cluster, db: &str) -> (i64, String) {
+    let c = pinned_client(cluster, db).await;
+    let row = c.query_one(&hostile_script(&["runs-sql"]), &[]).await.unwrap();
+    (row.get(0), row.get(1))
 }

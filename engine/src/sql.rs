@@ -1,0 +1,109 @@
+//! What SQL this engine executes, and where its text comes from.
+//!
+//! The tool logs in with the most powerful role on the instance, and every database may hold a user
+//! who wants that role's privileges (CVE-2018-1058: an overload planted in a schema the user can
+//! create in, such as `public` on databases created before PostgreSQL 15). Three rules keep that user's
+//! code from running as ours:
+//!
+//! 1. **Every session pins its search path** to [`SEARCH_PATH`] (`pg_catalog, pg_temp`), as a startup
+//!    option and again in the session's first statement, before anything else runs. `ALTER ROLE ...
+//!    SET`, `ALTER DATABASE ... SET` and PGOPTIONS cannot loosen it: the startup option is applied
+//!    after them, and the first statement sets it again for poolers that drop startup options. So
+//!    every unqualified function, operator, aggregate and type in our SQL resolves in `pg_catalog`,
+//!    where no one but a superuser can create anything.
+//! 2. **Executed SQL text is a literal of this crate**, possibly completed with other literals of this
+//!    crate chosen by server version, or it is a [`ServerSql`]: text that the server built, in the same
+//!    session, from catalog rows found by oid (the pg_prewarm call, found by the extension's membership
+//!    in `pg_depend`; a maintenance statement, built from the table's oid when it runs). Values from
+//!    outside (names, oids, modes, roles) are only ever bound as parameters.
+//! 3. **Nothing read from state is executed.** A plan, a continuation file, a work item or anything
+//!    from S3 or Step Functions carries oids and data. Names in it are labels for the report; a role
+//!    in it is a parameter of `set_config('role', $1)`. `ServerSql` has no public constructor, so no
+//!    state can become one.
+//!
+//! To check by reading: every `query*`/`batch_execute` call in this crate takes a string literal, a
+//! `format!` of literals, or `ServerSql::as_str()` (grep for `batch_execute(` and `format!("SELECT`).
+
+use tokio_postgres::{Client, Row};
+
+/// The search path of every session: the system catalog, then this session's own temporary schema
+/// (last, so that not even a temporary object can shadow a catalog one).
+pub const SEARCH_PATH: &str = "pg_catalog, pg_temp";
+
+/// The startup option that pins [`SEARCH_PATH`] (spaces separate options, so none inside the value).
+pub const SEARCH_PATH_OPTION: &str = "-c search_path=pg_catalog,pg_temp";
+
+/// SQL text the server built in this session from catalog rows. Only this module makes one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerSql(String);
+
+impl ServerSql {
+    fn from_row(row: &Row, idx: usize) -> Self {
+        ServerSql(row.get(idx))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// pg_prewarm as its extension installed it: the function that is a member of the extension
+/// `pg_prewarm` (pg_depend, deptype 'e') with pg_prewarm's exact signature. Never a lookup by name in
+/// a schema, which may be writable. Returns the schema it lives in (a label) and the call, with every
+/// argument cast to the exact parameter type so that no other overload in that schema can be a
+/// better match.
+pub(crate) async fn prewarm_call(client: &Client) -> Result<Option<(String, ServerSql)>, tokio_postgres::Error> {
+    const FIND: &str = "SELECT n.nspname::text,
+              format('SELECT %I.%I($1::pg_catalog.oid::pg_catalog.regclass, $2::pg_catalog.text, '
+                     '$3::pg_catalog.text, $4::pg_catalog.int8, $5::pg_catalog.int8)', n.nspname, p.proname)
+         FROM pg_catalog.pg_extension e
+         JOIN pg_catalog.pg_depend d ON d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass
+                                     AND d.refobjid = e.oid AND d.deptype = 'e'
+                                     AND d.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+         JOIN pg_catalog.pg_proc p ON p.oid = d.objid
+         JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+        WHERE e.extname = 'pg_prewarm' AND p.proname = 'pg_prewarm'
+          AND p.proargtypes = '2205 25 25 20 20'::pg_catalog.oidvector  -- regclass, text, text, int8, int8
+          AND p.prorettype = 'pg_catalog.int8'::pg_catalog.regtype";
+    Ok(client.query_opt(FIND, &[]).await?.map(|row| (row.get(0), ServerSql::from_row(&row, 1))))
+}
+
+/// A table to maintain as the server sees it now, looked up by oid.
+pub(crate) struct MaintenanceStatement {
+    pub sql: ServerSql,
+    pub action: &'static str,
+    /// The login role may maintain it (owner, MAINTAIN privilege, database owner or superuser).
+    pub allowed: bool,
+}
+
+/// Builds `ANALYZE schema.table` or `VACUUM ANALYZE schema.table` for `oid`, quoted by the server,
+/// from the catalog as it is now. None: no such table any more (dropped, or not a table).
+pub(crate) async fn maintenance_statement(
+    client: &Client,
+    oid: u32,
+    vacuum: bool,
+    server_version_num: i32,
+) -> Result<Option<MaintenanceStatement>, tokio_postgres::Error> {
+    const BEFORE_17: &str = "SELECT format('%s %I.%I',
+                    CASE WHEN $2 AND c.relkind <> 'p' THEN 'VACUUM ANALYZE' ELSE 'ANALYZE' END, n.nspname, c.relname),
+                  $2 AND c.relkind <> 'p',
+                  pg_has_role(c.relowner, 'USAGE') OR pg_has_role(d.datdba, 'USAGE')
+                    OR (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user)
+             FROM pg_catalog.pg_class c
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+             JOIN pg_catalog.pg_database d ON d.datname = current_database()
+            WHERE c.oid = $1 AND c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'";
+    const FROM_17: &str = "SELECT format('%s %I.%I',
+                    CASE WHEN $2 AND c.relkind <> 'p' THEN 'VACUUM ANALYZE' ELSE 'ANALYZE' END, n.nspname, c.relname),
+                  $2 AND c.relkind <> 'p',
+                  has_table_privilege(c.oid, 'MAINTAIN')
+             FROM pg_catalog.pg_class c
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+            WHERE c.oid = $1 AND c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'";
+    let sql = if server_version_num >= 170000 { FROM_17 } else { BEFORE_17 };
+    Ok(client.query_opt(sql, &[&oid, &vacuum]).await?.map(|row| MaintenanceStatement {
+        sql: ServerSql::from_row(&row, 0),
+        action: if row.get::<_, bool>(1) { "VACUUM ANALYZE" } else { "ANALYZE" },
+        allowed: row.get(2),
+    }))
+}
