@@ -2,6 +2,7 @@
 interpreter, drives the real Lambda binaries (cargo lambda watch) against a real PostgreSQL.
 Run with `make e2e` (part of `make test`)."""
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,18 +32,19 @@ def history_text(history) -> str:
     return json.dumps(history, default=str)
 
 
-def unbuffered_forks(pg, db: str) -> list:
+def unbuffered_forks(pg, db: str, options: str = "") -> list:
     """Forks of `db` with storage whose blocks are not all in shared_buffers (pg_buffercache)."""
     rows = pg.psql(
         """SELECT c.oid::regclass || ' ' || f.fork FROM pg_class c
              CROSS JOIN (VALUES ('main', 0), ('fsm', 1), ('vm', 2), ('init', 3)) f(fork, num)
             WHERE c.relkind IN ('r', 'i', 't', 'm', 'S') AND c.relpersistence <> 't'
               AND pg_relation_size(c.oid, f.fork) > 0
-              AND (SELECT count(DISTINCT relblocknumber) FROM pg_buffercache b
+              AND (SELECT count(DISTINCT relblocknumber) FROM public.pg_buffercache b
                     WHERE b.relfilenode = pg_relation_filenode(c.oid) AND b.relforknumber = f.num
                       AND b.reldatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database())))
                   < pg_relation_size(c.oid, f.fork) / current_setting('block_size')::int""",
         db=db,
+        options=options,
     )
     return [r for r in rows.splitlines() if r]
 
@@ -197,6 +199,39 @@ def test_a_plan_over_the_inline_limit_goes_through_s3_and_a_distributed_map():
         assert len(items) > 40
         inst = json.loads(d["output"])["instances"][0]
         assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 0, inst
+
+
+def test_a_hostile_catalog_runs_nothing_through_the_lambdas():
+    """An unprivileged role has planted, in public of every database, an overload of every function,
+    aggregate and operator name in the project's SQL (tests/hostile_catalog.py), and the login role's
+    own settings put public first. A whole workflow run (Plan, Warm, Maintain with VACUUM ANALYZE)
+    through the real Lambdas: nothing planted runs, nobody's role changes, every block is read."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import hostile_catalog
+
+    pinned = "-c search_path=pg_catalog,pg_temp"  # the test's own checks must not walk into the traps
+    with Twin.start(lambda_timeout=20, margin=5, mode="buffer") as t:
+        t.pg.load_sample("app", 1)
+        t.pg.psql("CREATE ROLE mallory LOGIN PASSWORD 'mallory-pw';"
+                  "ALTER ROLE postgres SET search_path = public, pg_catalog")
+        planted = 0
+        for db in ("postgres", "app"):
+            t.pg.psql("CREATE EXTENSION pg_buffercache", db=db)
+            counts = t.pg.psql(hostile_catalog.sql("mallory"), db=db).splitlines()[-1].split("|")
+            planted += sum(int(n) for n in counts[:3])
+        assert planted > 1000, planted
+        t.pg.restart()  # empty shared_buffers
+        t.register_instance("hostile-db", script=[{"status": "available"}] * 10)
+        d, history = t.run({"instance": "hostile-db", "maintenance": "vacuum-analyze"})
+        assert d["status"] == "SUCCEEDED", (d.get("error"), t.report_of(history))
+        inst = json.loads(d["output"])["instances"][0]
+        assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 0, inst
+        assert inst["maintenance"]["done"] > 0 and inst["maintenance"]["skipped"] == [], inst["maintenance"]
+        for db in ("postgres", "app"):
+            assert t.pg.psql(hostile_catalog.runs_sql(), db=db, options=pinned) == "0|", db
+            assert unbuffered_forks(t.pg, db, options=pinned) == [], db
+        assert t.pg.psql("SELECT rolsuper FROM pg_roles WHERE rolname = 'mallory'", options=pinned) == "f"
+        print(f"measured: {planted} objects planted in 2 databases; ran 0 times through the Lambdas")
 
 
 @pytest.mark.parametrize("name,kind", [
