@@ -193,24 +193,27 @@ impl Plan {
         self.ranges.iter().map(BlockRange::blocks).sum()
     }
 
-    /// A plan read from a file or state is data someone may have edited: every range must name a fork
-    /// of the plan and be a well-formed block range, and the block size must be sane.
+    /// A plan read from a file or state is data someone may have edited: see [`check_state`].
     pub fn validate(&self) -> crate::error::Result<()> {
-        if !(512..=65536).contains(&self.server.block_size) || !self.server.block_size.is_power_of_two() {
-            return Err(crate::error::Error::InvalidInput(format!(
-                "block size {} is not a PostgreSQL block size",
-                self.server.block_size
-            )));
-        }
-        check_ranges(&self.ranges, self.forks.len())
+        check_state(self.server.block_size, &self.ranges, self.forks.len())
     }
 }
 
-/// Every range names one of `forks` forks and has first <= last.
-pub fn check_ranges<'a>(ranges: impl IntoIterator<Item = &'a BlockRange>, forks: usize) -> crate::error::Result<()> {
+/// State read back from a file, S3 or Step Functions is data that someone may have edited: the block
+/// size must be one PostgreSQL can have, and every range must name one of the `forks` forks listed and
+/// be a block range (first <= last). Anything else is `InvalidInput`, never a panic.
+pub fn check_state<'a>(
+    block_size: u64,
+    ranges: impl IntoIterator<Item = &'a BlockRange>,
+    forks: usize,
+) -> crate::error::Result<()> {
+    use crate::error::Error;
+    if !(512..=65536).contains(&block_size) || !block_size.is_power_of_two() {
+        return Err(Error::InvalidInput(format!("block size {block_size} is not a PostgreSQL block size")));
+    }
     for r in ranges {
         if r.fork as usize >= forks || r.first > r.last || r.last > u32::MAX as u64 {
-            return Err(crate::error::Error::InvalidInput(format!(
+            return Err(Error::InvalidInput(format!(
                 "block range {r:?} does not fit the {forks} forks listed (or is not a block range)"
             )));
         }

@@ -98,11 +98,9 @@ impl RunState {
             )));
         }
         // Edited by someone, perhaps: it is data, and must at least be consistent data.
-        state.plan.validate()?;
-        crate::plan::check_ranges(
-            state.pending.iter().chain(state.outcomes.iter().map(|o| &o.range)),
-            state.plan.forks.len(),
-        )?;
+        let plan = &state.plan;
+        let ranges = plan.ranges.iter().chain(&state.pending).chain(state.outcomes.iter().map(|o| &o.range));
+        crate::plan::check_state(plan.server.block_size, ranges, plan.forks.len())?;
         if state.sessions == 0 {
             return Err(Error::InvalidInput("the continuation's sessions must be at least 1".into()));
         }

@@ -123,13 +123,7 @@ impl WorkItem {
     /// the totals and keeps exactly the ranges not yet read.
     pub async fn advance(&mut self, spec: &ConnectionSpec, opts: &WarmOptions) -> Result<()> {
         // An item comes from state that someone may have edited: it is data, and must be consistent.
-        crate::plan::check_ranges(&self.pending, self.forks.len())?;
-        if !(512..=65536).contains(&self.block_size) || !self.block_size.is_power_of_two() {
-            return Err(Error::InvalidInput(format!(
-                "work item {}: block size {} is not valid",
-                self.id, self.block_size
-            )));
-        }
+        crate::plan::check_state(self.block_size, &self.pending, self.forks.len())?;
         self.calls += 1;
         if self.pending.is_empty() {
             return Ok(());
@@ -736,6 +730,25 @@ mod tests {
         assert!(items.len() > INLINE_ITEMS_LIMIT, "a plan this size goes through S3");
         assert!(items.len() < 10_000, "{} items: more than a Distributed Map's children", items.len());
         eprintln!("10 TiB / 100k relations: {} items, largest {largest} bytes", items.len());
+    }
+
+    /// A work item edited in the state (a range naming a fork it does not list, a range turned
+    /// around, a block size of 0) is refused as `InvalidInput` before any session is opened.
+    #[tokio::test]
+    async fn an_edited_work_item_is_refused_before_connecting() {
+        let plan = synthetic_plan(1, 10, 1 << 20, 16);
+        let item = work_items(&plan, 1 << 20, 64).unwrap().remove(0);
+        // Nothing listens there: reaching the network would fail differently.
+        let spec = ConnectionSpec::parse(Some("postgresql://u@127.0.0.1:1/db?sslmode=disable"), |_| None).unwrap();
+        let opts = call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(1));
+        let edits: [fn(&mut WorkItem); 3] =
+            [|i| i.pending[0].fork = 99, |i| (i.pending[0].first, i.pending[0].last) = (5, 1), |i| i.block_size = 0];
+        for edit in edits {
+            let mut tampered = item.clone();
+            edit(&mut tampered);
+            let e = tampered.advance(&spec, &opts).await.unwrap_err();
+            assert_eq!(e.name(), "InvalidInput", "{e}");
+        }
     }
 
     #[test]
