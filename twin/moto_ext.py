@@ -13,12 +13,27 @@ What moto lacks that the workflow needs, and nothing else:
   Step Functions target starts an execution with the event as input (asynchronously, as EventBridge does).
 - StartExecution without a name: AWS names the execution with a UUID; moto leaves it null (and so
   $$.Execution.Name). EventBridge and the console start executions without a name.
-- A control API for tests (POST /instance, GET /describes, GET /deliveries), on its own port.
+- A control API for tests (POST /instance, POST /lambda-fault, GET /describes, GET /deliveries), on its own
+  port.
 Blue/Green deployments (Create/DescribeBlueGreenDeployments) are moto's own.
+
+And where moto is kinder than AWS, the twin is made as strict as AWS documents (each rule has a test in
+twin/test_strict.py):
+- 256 KiB (UTF-8) on every state's input, not only on outputs and task results (moto checks those).
+- States.ALL catches neither States.DataLimitExceeded nor States.Runtime (AWS: "terminal errors that
+  can't be caught by States.ALL"): an oversized state fails the execution, Catch or not.
+- 25,000 events per execution history: the state that would go past it fails the execution
+  (States.Runtime).
+- A Lambda API error is named Lambda.<ExceptionName> (moto names every one "Exception"), so that Retry
+  and Catch see what they would see on AWS.
+- Lambda itself, in the shim: a request or response over 6 MB (RequestEntityTooLargeException;
+  Function.ResponseSizeTooLarge), and on request an inactive function (ResourceNotReadyException) or
+  throttling (TooManyRequestsException) for the next N invokes (POST /lambda-fault).
 """
 import json
 import os
 import threading
+import uuid
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -35,6 +50,11 @@ from moto.rds.responses import RDSResponse
 import moto.stepfunctions.parser.asl.component.state.exec.state_task.lambda_eval_utils as lambda_eval_utils
 
 LOCK = threading.Lock()
+# function name -> [fault, invokes left]: "inactive", "throttled"
+LAMBDA_FAULTS: dict = {}
+LAMBDA_PAYLOAD_LIMIT = 6 * 1024 * 1024  # bytes, request and response (synchronous invoke)
+STATE_LIMIT = 256 * 1024
+HISTORY_LIMIT = 25_000
 # instance id -> {"address", "port", "script": [{"status": ..., "storage": ..., "progress": ...}], "now": {...}}
 INSTANCES: dict = {}
 DESCRIBES: dict = {}
@@ -103,6 +123,94 @@ def _put_results(env, resource_runtime_part, state_credentials):
 
 
 resource_eval_s3.ResourceEvalS3._handle_put_object = staticmethod(_put_results)
+
+# --- Step Functions as strict as AWS documents it -----------------------------------------------------
+from moto.stepfunctions.parser.asl.component.common.error_name.custom_error_name import CustomErrorName
+from moto.stepfunctions.parser.asl.component.common.error_name.error_equals_decl import ErrorEqualsDecl
+from moto.stepfunctions.parser.asl.component.common.error_name.failure_event import FailureEvent, FailureEventException
+from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name import StatesErrorName
+from moto.stepfunctions.parser.asl.component.common.error_name.states_error_name_type import StatesErrorNameType
+from moto.stepfunctions.parser.asl.component.state.state import CommonStateField
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.state_task_lambda import StateTaskLambda
+from moto.stepfunctions.parser.asl.eval.event.event_detail import EventDetails
+from moto.stepfunctions.parser.asl.utils.encoding import to_json_str
+from moto.stepfunctions.parser.api import ExecutionFailedEventDetails, HistoryEventType
+from botocore.exceptions import ClientError
+
+UNCATCHABLE_BY_ALL = {StatesErrorNameType.StatesStatesDataLimitExceeded, StatesErrorNameType.StatesRuntime}
+_orig_error_equals = ErrorEqualsDecl._eval_body
+
+
+def _error_equals(self, env):
+    error_name = env.stack[-1]
+    if (ErrorEqualsDecl._STATE_ALL_ERROR in self.error_names and isinstance(error_name, StatesErrorName)
+            and error_name.typ in UNCATCHABLE_BY_ALL):
+        env.stack.pop()
+        env.stack.append(False)  # States.ALL stands alone in ErrorEquals: nothing else here can name it
+        return
+    return _orig_error_equals(self, env)
+
+
+ErrorEqualsDecl._eval_body = _error_equals
+
+
+def _fail(env, typ, cause):
+    raise FailureEventException(failure_event=FailureEvent(
+        env=env, error_name=StatesErrorName(typ=typ), event_type=HistoryEventType.TaskFailed,
+        event_details=EventDetails(executionFailedEventDetails=ExecutionFailedEventDetails(error=typ.to_name(), cause=cause))))
+
+
+_orig_state_body = CommonStateField._eval_body
+
+
+def _state_body(self, env):
+    events = env.event_manager._event_id_gen._next_id - 1
+    if events >= HISTORY_LIMIT:
+        _fail(env, StatesErrorNameType.StatesRuntime,
+              f"The execution history reached its limit of {HISTORY_LIMIT} events at state '{self.name}'.")
+    size = len(to_json_str(env.states.get_input()).encode())
+    if size > STATE_LIMIT:
+        _fail(env, StatesErrorNameType.StatesStatesDataLimitExceeded,
+              f"The input of state '{self.name}' is {size} bytes, over the {STATE_LIMIT}-byte limit.")
+    return _orig_state_body(self, env)
+
+
+CommonStateField._eval_body = _state_body
+
+
+def _error_name(error_name=None):
+    """A branch's or an iteration's error, carried up as what it is: moto rebuilds it as a custom error
+    name, which refuses "States." names and turns every States.* error into States.Runtime."""
+    if error_name and error_name.startswith("States."):
+        try:
+            return StatesErrorName.from_name(error_name)
+        except Exception:
+            pass
+    return CustomErrorName(error_name)
+
+
+import moto.stepfunctions.parser.asl.component.state.exec.state_parallel.branches_decl as _branches_decl
+import moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.iteration_worker as _iteration_worker
+
+_branches_decl.CustomErrorName = _error_name
+_iteration_worker.CustomErrorName = _error_name
+
+_orig_lambda_from_error = StateTaskLambda._from_error
+
+
+def _lambda_from_error(self, env, ex):
+    if isinstance(ex, ClientError):
+        name = f"Lambda.{ex.response['Error'].get('Code') or 'Unknown'}"
+        failure = _orig_lambda_from_error(self, env, ex)
+        failure.error_name = CustomErrorName(name)
+        details = failure.event_details.get("lambdaFunctionFailedEventDetails")
+        if details is not None:
+            details["error"] = name
+        return failure
+    return _orig_lambda_from_error(self, env, ex)
+
+
+StateTaskLambda._from_error = _lambda_from_error
 
 LAMBDA_URL = os.environ.get("PGHYDRATE_TWIN_LAMBDA_URL", "http://127.0.0.1:9002")
 
@@ -220,6 +328,10 @@ class Control(BaseHTTPRequestHandler):
                             if db is not None:
                                 db.port = body["port"]
             return self._reply(200, {"ok": True})
+        if self.path == "/lambda-fault":
+            with LOCK:
+                LAMBDA_FAULTS[body["function"]] = [body["fault"], int(body.get("count", 1))]
+            return self._reply(200, {"ok": True})
         return self._reply(404, {"error": self.path})
 
     def do_GET(self):
@@ -241,11 +353,45 @@ class LambdaShim(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+    def _error(self, status: int, code: str, message: str):
+        body = json.dumps({"Type": "User", "message": message}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("x-amzn-ErrorType", code)
+        self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _reply(self, body: bytes, function_error):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("X-Amz-Executed-Version", "$LATEST")
+        if function_error:
+            self.send_header("X-Amz-Function-Error", function_error)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_POST(self):
         parts = self.path.split("/")
         # /2015-03-31/functions/{name}/invocations
         name = urllib.request.unquote(parts[3]).split(":function:")[-1].split(":")[0]
         payload = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with LOCK:
+            fault = LAMBDA_FAULTS.get(name)
+            if fault and fault[1] > 0:
+                fault[1] -= 1
+            else:
+                fault = None
+        if fault and fault[0] == "inactive":
+            return self._error(502, "ResourceNotReadyException",
+                               f"The function {name} is inactive and is being restored (the twin's fault injection).")
+        if fault and fault[0] == "throttled":
+            return self._error(429, "TooManyRequestsException", "Rate Exceeded. (the twin's fault injection)")
+        if len(payload) > LAMBDA_PAYLOAD_LIMIT:
+            return self._error(413, "RequestEntityTooLargeException",
+                               f"Request must be smaller than {LAMBDA_PAYLOAD_LIMIT} bytes for the InvokeFunction operation")
         target = f"{os.environ['PGHYDRATE_TWIN_WATCH_URL']}/2015-03-31/functions/{name}/invocations"
         req = urllib.request.Request(target, data=payload, method="POST", headers={"Content-Type": "application/json"})
         function_error = None
@@ -255,14 +401,12 @@ class LambdaShim(BaseHTTPRequestHandler):
         except urllib.error.HTTPError as e:
             body = e.read()
             function_error = "Unhandled"
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("X-Amz-Executed-Version", "$LATEST")
-        if function_error:
-            self.send_header("X-Amz-Function-Error", function_error)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        if len(body) > LAMBDA_PAYLOAD_LIMIT:
+            body = json.dumps({"errorType": "Function.ResponseSizeTooLarge",
+                               "errorMessage": f"Response payload size ({len(body)} bytes) exceeded maximum allowed "
+                                               f"payload size ({LAMBDA_PAYLOAD_LIMIT} bytes)."}).encode()
+            function_error = "Unhandled"
+        self._reply(body, function_error)
 
 
 def serve_side_ports(control_port: int, shim_port: int):

@@ -80,7 +80,7 @@ def test_manual_start_with_overrides_and_a_malformed_one(twin):
     out = json.loads(d["output"])
     inst = out["instances"][0]
     assert inst["coverage"] == 1.0
-    assert inst["maintenance"] in (None, {"done": 0, "skipped": []}), inst["maintenance"]
+    assert inst["maintenance"] in (None, {"done": 0, "skipped": [], "skipped_count": 0}), inst["maintenance"]
     d, history = twin.run({"instance": "manual-db", "sesions": 4})
     assert d["status"] == "FAILED" and d["error"] == "InvalidInput", d
     assert "sesions: unknown field" in d["cause"]
@@ -201,6 +201,58 @@ def test_a_plan_over_the_inline_limit_goes_through_s3_and_a_distributed_map():
         assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 0, inst
 
 
+def largest_payload(history) -> tuple:
+    """(bytes, where) of the largest input, output or parameters string in an execution's history."""
+    best = (0, "")
+    for e in history:
+        for key, details in e.items():
+            if key.endswith("EventDetails") and isinstance(details, dict):
+                for field in ("input", "output", "parameters"):
+                    v = details.get(field)
+                    if isinstance(v, str) and len(v.encode()) > best[0]:
+                        best = (len(v.encode()), f"{e['type']} {details.get('name', '')} {field}")
+    return best
+
+
+def test_a_thousand_tables_hydrate_with_every_state_far_below_256_kib(twin):
+    """The database of the issue that found the payload limit: 1,000 small tables, each with a primary
+    key and a TOASTed text column (about 5,000 forks). Every state of the execution stays far below
+    256 KiB, every block is read, and every table is analyzed."""
+    twin.pg.psql("CREATE DATABASE many")
+    twin.pg.psql("""DO $$ BEGIN FOR i IN 1..1000 LOOP
+                      EXECUTE format('CREATE TABLE t%s (id int PRIMARY KEY, body text)', i);
+                      EXECUTE format('INSERT INTO t%s SELECT g, repeat(md5(g::text), 300) FROM generate_series(1, 3) g', i);
+                    END LOOP; END $$; CREATE EXTENSION pg_buffercache""", db="many")
+    twin.pg.psql("VACUUM", db="many")
+    twin.pg.restart()
+    twin.register_instance("many-tables", script=[{"status": "available"}] * 10)
+    d, history = twin.run({"instance": "many-tables", "include_databases": ["many"]}, timeout=900)
+    assert d["status"] == "SUCCEEDED", (d.get("error"), d.get("cause"), twin.report_of(history))
+    out = json.loads(d["output"])
+    inst = out["instances"][0]
+    assert out["coverage"] == 1.0 and inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 0, inst
+    assert inst["maintenance"]["done"] >= 1000 and inst["maintenance"]["skipped_count"] == 0, inst["maintenance"]
+    assert unbuffered_forks(twin.pg, "many") == []
+    size, where = largest_payload(history)
+    assert size < 128 * 1024, (size, where)
+    print(f"measured: 1,000 tables: {len(history)} history events; largest payload {size} bytes ({where})")
+
+
+def test_an_inactive_or_throttled_function_is_retried_not_fatal(twin):
+    """Plan, Warm and Maintain run in a VPC and are invoked rarely: an idle one goes Inactive, and its
+    next invokes fail with ResourceNotReadyException until it is active again. Lambda also throttles.
+    The run retries both and completes."""
+    twin.register_instance("idle-functions", script=[{"status": "available"}] * 10)
+    twin.lambda_fault("plan", "inactive", count=2)
+    twin.lambda_fault("warm", "throttled", count=1)
+    twin.lambda_fault("maintain", "inactive", count=1)
+    d, history = twin.run({"instance": "idle-functions", "include_databases": ["app"]})
+    assert d["status"] == "SUCCEEDED", (d.get("error"), d.get("cause"), twin.report_of(history))
+    assert json.loads(d["output"])["coverage"] == 1.0
+    text = history_text(history)
+    assert "Lambda.ResourceNotReadyException" in text and "Lambda.TooManyRequestsException" in text
+
+
 def test_a_hostile_catalog_runs_nothing_through_the_lambdas():
     """An unprivileged role has planted, in public of every database, an overload of every function,
     aggregate and operator name in the project's SQL (tests/hostile_catalog.py), and the login role's
@@ -291,7 +343,8 @@ def test_a_tiny_deadline_on_a_large_table_continues_until_exactly_full_coverage(
     # Exactly: every planned byte warmed once (a range counted twice would push warmed past total).
     assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 100 << 20, inst
     calls = warm_calls(history)
-    assert len(calls) >= 4, f"{len(calls)} Warm calls: the deadline should have forced continuations"
+    assert len(calls) >= 4, (f"{len(calls)} Warm calls: the deadline should have forced continuations", len(history), "|".join(
+                             f"{e['type']}:{e.get('stateEnteredEventDetails', {}).get('name')}" for e in history))
     # The deadline cut ranges mid-statement, and they still ended (halved, in later calls).
     assert "deadline cut a range" in t.log_text()
     t.pg.unlimit_cpu()

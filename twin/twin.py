@@ -291,6 +291,13 @@ class Twin:
                                      data=json.dumps(body).encode())
         urllib.request.urlopen(req)
 
+    def lambda_fault(self, function: str, fault: str, count: int = 1):
+        """The next `count` invokes of `function` fail as on AWS: fault "inactive" (an idle VPC function:
+        ResourceNotReadyException) or "throttled" (TooManyRequestsException)."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.control_port}/lambda-fault", method="POST",
+                                     data=json.dumps({"function": function, "fault": fault, "count": count}).encode())
+        urllib.request.urlopen(req)
+
     def create_rules_from_template(self) -> list:
         """Creates the EventBridge rules that infra/template.yaml attaches to the state machine (its
         EventBridgeRule events, patterns as written there), each targeting the twin's state machine."""
@@ -338,10 +345,19 @@ class Twin:
         while time.time() < end:
             d = sfn.describe_execution(executionArn=arn)
             if d["status"] != "RUNNING":
-                history = sfn.get_execution_history(executionArn=arn, maxResults=1000)["events"]
-                return d, history
+                return d, self.history(arn)
             time.sleep(0.5)
         raise TimeoutError(f"execution {arn} still running after {timeout}s")
+
+    def history(self, arn: str) -> list:
+        """The whole execution history (every page)."""
+        sfn, events, token = self.client("stepfunctions"), [], None
+        while True:
+            page = sfn.get_execution_history(executionArn=arn, maxResults=1000, **({"nextToken": token} if token else {}))
+            events += page["events"]
+            token = page.get("nextToken")
+            if not token:
+                return events
 
     def run(self, execution_input, timeout: float = 600):
         return self.wait(self.start_execution(execution_input), timeout)
@@ -367,7 +383,7 @@ class Twin:
         sfn = self.client("stepfunctions")
         for e in sfn.list_executions(stateMachineArn=self.state_machine, maxResults=1000)["executions"]:
             d = sfn.describe_execution(executionArn=e["executionArn"])
-            history = sfn.get_execution_history(executionArn=e["executionArn"], maxResults=1000)["events"]
+            history = self.history(e["executionArn"])
             if secret in json.dumps(d, default=str) + json.dumps(history, default=str):
                 found.append(f"execution {e['name']}")
         s3 = self.client("s3")

@@ -19,8 +19,30 @@ use crate::warm::{self, Counters, Mode, RangeOutcome, RangeResult, WarmOptions};
 pub const STATE_LIMIT_BYTES: usize = 256 * 1024;
 /// Largest serialized work item: a quarter of the state limit, leaving room for the rest of the state.
 pub const ITEM_LIMIT_BYTES: usize = 64 * 1024;
-/// Items carried inline (and run by an inline Map) when they fit; more go to S3.
+/// Items carried inline (and run by an inline Map) when they fit, in count and in bytes; more go to
+/// S3 for a Distributed Map. The inline items stay in the instance's branch state until it ends, beside
+/// everything else it carries. The budget, against Step Functions' 256 KiB:
+/// - the items: at most INLINE_BYTES_LIMIT (128 KiB);
+/// - their summaries once warmed: at most 40 x (ITEM_LISTED_SKIPS lines of at most 200 characters,
+///   plus about 300 bytes): about 36 KiB;
+/// - the plan summary (at most 50 planned skips listed): about 20 KiB;
+/// - the maintenance summary (LISTED_SKIPS lines): about 8 KiB;
+/// - the run, target, endpoint and storage progress: about 4 KiB.
+///
+/// That is about 196 KiB at worst, so 60 KiB are left to spare. A database's catalog alone is about 300
+/// forks, or about 80 KiB of items, so an ordinary database still runs inline.
 pub const INLINE_ITEMS_LIMIT: usize = 40;
+pub const INLINE_BYTES_LIMIT: usize = 128 * 1024;
+/// Skips listed by name in any summary carried in the workflow's state (the rest are counted).
+pub const LISTED_SKIPS: usize = 20;
+/// Skips listed by name in one item's summary.
+pub const ITEM_LISTED_SKIPS: usize = 3;
+
+/// Whether `items` may travel inline: at most INLINE_ITEMS_LIMIT of them, INLINE_BYTES_LIMIT in all.
+pub fn fits_inline(items: &[WorkItem]) -> bool {
+    items.len() <= INLINE_ITEMS_LIMIT
+        && serde_json::to_vec(items).map(|b| b.len()).unwrap_or(usize::MAX) <= INLINE_BYTES_LIMIT
+}
 
 /// One work item: ranges of one database, with the forks they name (`range.fork` indexes `forks`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -212,14 +234,32 @@ pub struct InstanceView {
     pub tags: BTreeMap<String, String>,
 }
 
-/// Instance states in which waiting is pointless.
-pub const TERMINAL_STATES: &[&str] =
-    &["deleted", "deleting", "failed", "incompatible-restore", "incompatible-parameters", "incompatible-network"];
+/// Instance states in which waiting is pointless: the instance is gone or going, or RDS says it cannot
+/// finish creating or restoring it (restore-error, an encryption key it can no longer use). A stopped
+/// instance is not hydrated either: it will not become available unless someone starts it.
+pub const TERMINAL_STATES: &[&str] = &[
+    "deleted",
+    "deleting",
+    "failed",
+    "incompatible-restore",
+    "incompatible-parameters",
+    "incompatible-network",
+    "incompatible-option-group",
+    "incompatible-create",
+    "restore-error",
+    "inaccessible-encryption-credentials",
+    "stopped",
+    "stopping",
+];
+
+/// Instance states in which sessions work: `available`, and `storage-optimization`, which RDS
+/// documents as fully operational (a restore that changes storage goes there, for hours or days).
+pub const USABLE_STATES: &[&str] = &["available", "storage-optimization"];
 
 /// Whether the instance accepts sessions: "available", "failed" (with why), or "waiting".
 pub fn ready_state(v: &InstanceView) -> (&'static str, String) {
-    if v.status == "available" {
-        ("available", format!("{} is available", v.id))
+    if USABLE_STATES.contains(&v.status.as_str()) {
+        ("available", format!("{} is {}", v.id, v.status))
     } else if TERMINAL_STATES.contains(&v.status.as_str()) {
         ("failed", format!("{} is {}: it will not become available", v.id, v.status))
     } else {
@@ -227,19 +267,27 @@ pub fn ready_state(v: &InstanceView) -> (&'static str, String) {
     }
 }
 
-/// Storage initialization: "initialized" once StorageOperationStatus is absent, "initializing" (with
-/// the percentage) while it runs, "failed" if the instance went away.
+/// Storage initialization (the lazy loading from S3): "initializing" (with the percentage) while
+/// StorageOperationStatus says `Initializing`; "initialized" otherwise, with what was seen: another
+/// operation (`Optimizing` is not initialization: the blocks are already local), or no status at all,
+/// which RDS does not report for every trigger, so the progress is then unknown, not 100.
+/// "failed" if the instance went away.
 pub fn storage_state(v: &InstanceView) -> (&'static str, String, Option<i32>) {
     if TERMINAL_STATES.contains(&v.status.as_str()) {
         return ("failed", format!("{} is {}", v.id, v.status), None);
     }
-    match &v.storage_status {
-        None => ("initialized", format!("{}: no storage operation in progress", v.id), Some(100)),
-        Some(op) => (
+    match v.storage_status.as_deref() {
+        None => {
+            ("initialized", format!("{}: no storage operation reported (StorageOperationStatus absent)", v.id), None)
+        }
+        Some(op) if op.eq_ignore_ascii_case("initializing") => (
             "initializing",
             format!("{}: {op} {}%", v.id, v.storage_progress.map(|p| p.to_string()).unwrap_or_else(|| "?".into())),
             v.storage_progress,
         ),
+        Some(op) => {
+            ("initialized", format!("{}: storage operation {op} in progress, which is not initialization", v.id), None)
+        }
     }
 }
 
@@ -559,7 +607,11 @@ pub struct ItemSummary {
     pub skipped_bytes: u64,
     pub pending_bytes: u64,
     pub calls: u32,
+    /// The first ITEM_LISTED_SKIPS forks skipped, with why (each cut to 200 characters).
     pub skipped: Vec<String>,
+    /// How many forks of the item were skipped.
+    #[serde(default)]
+    pub skipped_forks: usize,
 }
 
 impl WorkItem {
@@ -576,11 +628,14 @@ impl WorkItem {
             skipped: self
                 .skipped
                 .iter()
+                .take(ITEM_LISTED_SKIPS)
                 .map(|(i, why)| {
                     let f = &self.forks[*i as usize];
-                    format!("{}.{} ({}): {why}", f.schema, f.name, f.fork.as_str())
+                    let line = format!("{}.{} ({}): {why}", f.schema, f.name, f.fork.as_str());
+                    line.chars().take(200).collect()
                 })
                 .collect(),
+            skipped_forks: self.skipped.len(),
         }
     }
 }
@@ -610,6 +665,8 @@ mod tests {
         assert_eq!(ready_state(&view("available", None, None)).0, "available");
         assert_eq!(ready_state(&view("creating", None, None)).0, "waiting");
         assert_eq!(ready_state(&view("backing-up", None, None)).0, "waiting");
+        assert_eq!(ready_state(&view("storage-optimization", None, None)).0, "available");
+        assert_eq!(ready_state(&view("restore-error", None, None)).0, "failed");
         for s in TERMINAL_STATES {
             assert_eq!(ready_state(&view(s, None, None)).0, "failed", "{s}");
         }
@@ -617,7 +674,12 @@ mod tests {
             storage_state(&view("available", Some("Initializing"), Some(37))),
             ("initializing", "db1: Initializing 37%".into(), Some(37))
         );
-        assert_eq!(storage_state(&view("available", None, None)).0, "initialized");
+        assert_eq!(
+            storage_state(&view("available", None, None)),
+            ("initialized", "db1: no storage operation reported (StorageOperationStatus absent)".into(), None)
+        );
+        let (state, detail, progress) = storage_state(&view("available", Some("Optimizing"), Some(40)));
+        assert_eq!((state, progress), ("initialized", None), "{detail}");
         assert_eq!(storage_state(&view("deleting", Some("Initializing"), Some(3))).0, "failed");
     }
 

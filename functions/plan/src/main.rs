@@ -1,8 +1,8 @@
 //! Plan: discovers every relation fork of every database on the instance and cuts the plan into work
-//! items; a few items travel inline, more go to S3 for a Distributed Map.
+//! items; a few small items travel inline (at most 40 and 128 KiB), more go to S3 for a Distributed Map.
 
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
-use pghydrate::workflow::{plan_items, Endpoint, PlanSummary, RunConfig, Target, WorkItem, INLINE_ITEMS_LIMIT};
+use pghydrate::workflow::{fits_inline, plan_items, Endpoint, PlanSummary, RunConfig, Target, WorkItem};
 use pghydrate::Error;
 use pghydrate_lambda::{init_tracing, Aws, DbConfig, Failure};
 use serde::{Deserialize, Serialize};
@@ -40,7 +40,7 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let spec = deps.db.connect_spec(&deps.aws, &r.run, &r.endpoint).await?;
     let (summary, items) = plan_items(&spec, &r.run).await?;
     tracing::info!(instance = %r.target.instance, items = items.len(), planned_bytes = summary.planned_bytes, "planned");
-    if items.len() <= INLINE_ITEMS_LIMIT {
+    if fits_inline(&items) {
         return Ok(Response { summary, items, distributed: None });
     }
     let key = format!("{}{}/{}/items.json", deps.prefix, r.run.execution, r.target.instance);

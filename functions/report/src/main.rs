@@ -1,17 +1,30 @@
-//! Report: one stable JSON summary of the execution (the state machine's output, which pipelines gate
-//! on), and CloudWatch metrics for bytes warmed and coverage in embedded metric format.
+//! Report, in two phases. Per instance (inside the PerInstance Map): what the instance's branch
+//! carried becomes one bounded report (a few KiB whatever the database's size: lists of skips are cut
+//! at LISTED_SKIPS with their count). For the run: the instances' reports become one stable JSON
+//! summary (the state machine's output, which pipelines gate on), and CloudWatch metrics for bytes
+//! warmed and coverage in embedded metric format.
 
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
-use pghydrate::workflow::{ItemSummary, PlanSummary, RunConfig};
+use pghydrate::workflow::{ItemSummary, PlanSummary, RunConfig, LISTED_SKIPS};
 use pghydrate::Error;
 use pghydrate_lambda::{init_tracing, Aws, Failure};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 #[derive(Deserialize)]
-struct Request {
-    run: RunConfig,
-    instances: Vec<Value>,
+#[serde(untagged)]
+enum Request {
+    /// The end of one instance's branch: InstanceDone's or InstanceFailed's output.
+    Instance { instance: Value },
+    /// The end of the run: every instance's report.
+    Run { run: RunConfig, instances: Vec<InstanceReport> },
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Response {
+    Instance(Box<InstanceReport>),
+    Run(Summary),
 }
 
 #[derive(Serialize, Deserialize, Debug, PartialEq)]
@@ -24,7 +37,11 @@ struct InstanceReport {
     warmed_bytes: u64,
     vanished_bytes: u64,
     skipped_bytes: u64,
+    /// The first LISTED_SKIPS skips (forks, databases), with why.
     skipped: Vec<String>,
+    /// How many skips there were in all.
+    #[serde(default)]
+    skipped_count: usize,
     maintenance: Value,
     storage: Value,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -38,6 +55,8 @@ struct Summary {
     status: String,
     execution: String,
     trigger: String,
+    /// Warmed bytes over live bytes of every hydrated instance; 0 when any instance failed (its bytes
+    /// are unknown, so nothing can be claimed) or when instances were to be hydrated and no byte was.
     coverage: f64,
     total_bytes: u64,
     warmed_bytes: u64,
@@ -83,21 +102,27 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
             vanished_bytes: 0,
             skipped_bytes: 0,
             skipped: vec![],
+            skipped_count: 0,
             maintenance: Value::Null,
             storage: Value::Null,
             error: Some(v["error"].clone()),
         });
     }
+    // Null on the storage-only path (no plan, no maintenance).
     let plan: Option<PlanSummary> = serde_json::from_value(v["plan"]["summary"].clone()).ok();
     let items = item_summaries(aws, &v["warmed"]).await?;
     let warmed: u64 = items.iter().map(|i| i.warmed_bytes).sum();
     let vanished: u64 = items.iter().map(|i| i.vanished_bytes).sum();
     let skipped_run: u64 = items.iter().map(|i| i.skipped_bytes + i.pending_bytes).sum();
-    let (total, planned_skip, mut skipped) = match &plan {
-        Some(p) => (p.total_bytes, p.planned_skip_bytes, p.planned_skips.clone()),
-        None => (0, 0, vec![]),
+    let (total, planned_skip, mut skipped, mut skipped_count) = match &plan {
+        Some(p) => (p.total_bytes, p.planned_skip_bytes, p.planned_skips.clone(), p.planned_skip_count),
+        None => (0, 0, vec![], 0),
     };
-    skipped.extend(items.iter().flat_map(|i| i.skipped.iter().map(|s| format!("{}: {s}", i.database))));
+    for i in &items {
+        skipped_count += i.skipped_forks.max(i.skipped.len());
+        skipped.extend(i.skipped.iter().map(|s| format!("{}: {s}", i.database)));
+    }
+    skipped.truncate(LISTED_SKIPS);
     let live = total.saturating_sub(vanished);
     let coverage = if live == 0 { 1.0 } else { warmed as f64 / live as f64 };
     let outcome = if plan.is_some() { "hydrated" } else { "storage_only" };
@@ -110,23 +135,27 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
         vanished_bytes: vanished,
         skipped_bytes: skipped_run + planned_skip,
         skipped,
+        skipped_count,
         maintenance: v["maintained"]["summary"].clone(),
         storage: v["storage"].clone(),
         error: None,
     })
 }
 
-async fn handler(aws: &Aws, event: LambdaEvent<Request>) -> Result<Summary, Failure> {
-    let r = event.payload;
-    let mut instances = Vec::new();
-    for v in &r.instances {
-        instances.push(instance_report(aws, v).await?);
+async fn handler(aws: &Aws, event: LambdaEvent<Request>) -> Result<Response, Failure> {
+    match event.payload {
+        Request::Instance { instance } => Ok(Response::Instance(Box::new(instance_report(aws, &instance).await?))),
+        Request::Run { run, instances } => Ok(Response::Run(summary(&run, instances))),
     }
+}
+
+fn summary(run: &RunConfig, instances: Vec<InstanceReport>) -> Summary {
     let total: u64 = instances.iter().map(|i| i.total_bytes).sum();
     let warmed: u64 = instances.iter().map(|i| i.warmed_bytes).sum();
     let vanished: u64 = instances.iter().map(|i| i.vanished_bytes).sum();
     let live = total.saturating_sub(vanished);
-    let complete = instances.iter().all(|i| i.outcome != "failed" && i.coverage >= 1.0);
+    let any_failed = instances.iter().any(|i| i.outcome == "failed");
+    let complete = !instances.is_empty() && !any_failed && instances.iter().all(|i| i.coverage >= 1.0);
     for i in &instances {
         // CloudWatch embedded metric format: one line per instance becomes two metrics.
         println!(
@@ -139,18 +168,25 @@ async fn handler(aws: &Aws, event: LambdaEvent<Request>) -> Result<Summary, Fail
             })
         );
     }
-    Ok(Summary {
+    let coverage = if any_failed || instances.is_empty() {
+        0.0
+    } else if live == 0 {
+        1.0 // nothing there to read: every byte planned vanished, or only storage was watched
+    } else {
+        warmed as f64 / live as f64
+    };
+    Summary {
         status: if complete { "complete" } else { "incomplete" }.into(),
-        execution: r.run.execution.clone(),
-        trigger: serde_json::to_value(r.run.trigger.kind)
+        execution: run.execution.clone(),
+        trigger: serde_json::to_value(run.trigger.kind)
             .ok()
             .and_then(|v| v.as_str().map(str::to_string))
             .unwrap_or_default(),
-        coverage: if live == 0 { 1.0 } else { warmed as f64 / live as f64 },
+        coverage,
         total_bytes: total,
         warmed_bytes: warmed,
         instances,
-    })
+    }
 }
 
 #[tokio::main]
@@ -158,4 +194,51 @@ async fn main() -> Result<(), lambda_runtime::Error> {
     init_tracing();
     let aws = Aws::from_env().await;
     run(service_fn(|e| async { handler(&aws, e).await.map_err(Diagnostic::from) })).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn instance(outcome: &str, total: u64, warmed: u64) -> InstanceReport {
+        InstanceReport {
+            instance: "db1".into(),
+            outcome: outcome.into(),
+            coverage: if total == 0 { 1.0 } else { warmed as f64 / total as f64 },
+            total_bytes: total,
+            warmed_bytes: warmed,
+            vanished_bytes: 0,
+            skipped_bytes: total - warmed,
+            skipped: vec![],
+            skipped_count: 0,
+            maintenance: Value::Null,
+            storage: Value::Null,
+            error: None,
+        }
+    }
+
+    fn run() -> RunConfig {
+        let trigger = pghydrate::events::parse_input(&json!({"instance": "db1"}), None, None).unwrap();
+        RunConfig::new("exec", trigger, &pghydrate::workflow::Defaults::from_env(|_| None).unwrap())
+    }
+
+    /// A pipeline gates on the top-level coverage: it must never read 1.0 when an instance failed or
+    /// when there was nothing to report.
+    #[test]
+    fn coverage_is_never_full_when_an_instance_failed_or_none_was_hydrated() {
+        let failed = InstanceReport { coverage: 0.0, ..instance("failed", 0, 0) };
+        let s = summary(&run(), vec![failed]);
+        assert_eq!((s.status.as_str(), s.coverage), ("incomplete", 0.0));
+        let s = summary(
+            &run(),
+            vec![instance("hydrated", 100, 100), InstanceReport { coverage: 0.0, ..instance("failed", 0, 0) }],
+        );
+        assert_eq!((s.status.as_str(), s.coverage), ("incomplete", 0.0));
+        let s = summary(&run(), vec![]);
+        assert_eq!((s.status.as_str(), s.coverage), ("incomplete", 0.0));
+        let s = summary(&run(), vec![instance("hydrated", 100, 0)]);
+        assert_eq!((s.status.as_str(), s.coverage), ("incomplete", 0.0));
+        let s = summary(&run(), vec![instance("hydrated", 100, 100), instance("storage_only", 0, 0)]);
+        assert_eq!((s.status.as_str(), s.coverage), ("complete", 1.0));
+    }
 }

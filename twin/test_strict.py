@@ -1,0 +1,104 @@
+"""The twin is as strict as AWS documents Step Functions and Lambda to be: each rule that moto_ext adds
+(see its docstring) is shown failing a small state machine, or a direct Lambda call, that breaks it."""
+import json
+
+import boto3
+import pytest
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from twin import ACCOUNT, Twin
+
+
+@pytest.fixture(scope="module")
+def twin():
+    with Twin.start(lambda_timeout=20, margin=5) as t:
+        yield t
+
+
+def run_definition(twin, name: str, definition: dict, execution_input: dict | None = None, timeout: float = 300):
+    sfn = twin.client("stepfunctions")
+    arn = sfn.create_state_machine(name=name, definition=json.dumps(definition),
+                                   roleArn=f"arn:aws:iam::{ACCOUNT}:role/pghydrate-twin")["stateMachineArn"]
+    ex = sfn.start_execution(stateMachineArn=arn, input=json.dumps(execution_input or {}))["executionArn"]
+    return twin.wait(ex, timeout)
+
+
+PIECE = "x" * (100 * 1024)  # 100 KiB: under the limit alone, over it three times over
+
+
+def test_an_oversized_state_fails_the_execution_even_under_catch_all(twin):
+    big = {"Type": "Pass", "Parameters": {"a.$": "$.s", "b.$": "$.s", "c.$": "$.s"}, "End": True}
+    d, history = run_definition(twin, "strict-output", {
+        "StartAt": "Wrap",
+        "States": {
+            "Wrap": {"Type": "Parallel", "Branches": [{"StartAt": "Big", "States": {"Big": big}}],
+                     "Catch": [{"ErrorEquals": ["States.ALL"], "Next": "Caught"}], "End": True},
+            "Caught": {"Type": "Succeed"},
+        },
+    }, {"s": PIECE})
+    assert d["status"] == "FAILED" and d.get("error") == "States.DataLimitExceeded", (d.get("error"), d.get("cause"))
+    assert "Caught" not in json.dumps(history, default=str)
+
+
+def test_an_oversized_state_input_fails_too(twin):
+    # Each piece is under the limit; the Map's item selector puts two of them into one iteration's input.
+    d, _ = run_definition(twin, "strict-input", {
+        "StartAt": "Each",
+        "States": {
+            "Each": {"Type": "Map", "ItemsPath": "$.items",
+                     "ItemSelector": {"a.$": "$.s", "b.$": "$.s", "c.$": "$.s"},
+                     "ItemProcessor": {"ProcessorConfig": {"Mode": "INLINE"},
+                                       "StartAt": "Noop", "States": {"Noop": {"Type": "Pass", "End": True}}},
+                     "Catch": [{"ErrorEquals": ["States.ALL"], "Next": "Caught"}], "End": True},
+            "Caught": {"Type": "Succeed"},
+        },
+    }, {"s": PIECE, "items": [1]})
+    assert d["status"] == "FAILED" and d.get("error") == "States.DataLimitExceeded", (d.get("error"), d.get("cause"))
+
+
+def test_the_history_stops_at_25000_events(twin):
+    d, history = run_definition(twin, "strict-history", {
+        "StartAt": "Count",
+        "States": {
+            "Count": {"Type": "Pass", "Parameters": {"n.$": "States.MathAdd($.n, 1)"}, "Next": "Again"},
+            "Again": {"Type": "Choice", "Choices": [{"Variable": "$.n", "NumericLessThan": 100000, "Next": "Count"}],
+                      "Default": "Done"},
+            "Done": {"Type": "Succeed"},
+        },
+    }, {"n": 0}, timeout=600)
+    assert d["status"] == "FAILED" and d.get("error") == "States.Runtime", d
+    assert 24_990 <= len(history) <= 25_010, len(history)
+
+
+def lambda_task(twin, name: str, catch: str) -> dict:
+    return {
+        "StartAt": "Call",
+        "States": {
+            "Call": {"Type": "Task", "Resource": "arn:aws:states:::lambda:invoke",
+                     "Parameters": {"FunctionName": "describe",
+                                    "Payload": {"phase": "ready", "instance": "nobody", "started": "2026-01-01T00:00:00Z",
+                                                "limit_minutes": 1}},
+                     "Catch": [{"ErrorEquals": [catch], "Next": "Named"}, {"ErrorEquals": ["States.ALL"], "Next": "Other"}],
+                     "End": True},
+            "Named": {"Type": "Succeed"},
+            "Other": {"Type": "Fail", "Error": "NotNamedAsOnAws"},
+        },
+    }
+
+
+@pytest.mark.parametrize("fault,name", [("inactive", "Lambda.ResourceNotReadyException"),
+                                        ("throttled", "Lambda.TooManyRequestsException")])
+def test_lambda_api_errors_are_named_as_on_aws(twin, fault, name):
+    twin.lambda_fault("describe", fault, count=1)
+    d, history = run_definition(twin, f"strict-{fault}", lambda_task(twin, name, name))
+    assert d["status"] == "SUCCEEDED", [e for e in history if "Failed" in e["type"]]
+
+
+def test_a_lambda_request_over_6_mb_is_refused(twin):
+    lam = boto3.client("lambda", region_name="us-east-1", endpoint_url=f"http://127.0.0.1:{twin.shim_port}",
+                       aws_access_key_id="x", aws_secret_access_key="x",
+                       config=Config(retries={"total_max_attempts": 1}))
+    with pytest.raises(ClientError) as e:
+        lam.invoke(FunctionName="describe", Payload=json.dumps({"pad": "x" * (6 * 1024 * 1024)}).encode())
+    assert e.value.response["Error"]["Code"] == "RequestEntityTooLargeException"
