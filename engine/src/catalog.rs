@@ -65,7 +65,8 @@ pub async fn server_info(client: &Client) -> Result<ServerInfo> {
                     current_setting('superuser_reserved_connections')::int4
                       + coalesce(current_setting('reserved_connections', true)::int4, 0),
                     (SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE backend_type = 'client backend')::int4,
-                    current_setting('io_method', true)",
+                    current_setting('io_method', true),
+                    pg_is_in_recovery()",
             &[],
         )
         .await
@@ -90,6 +91,7 @@ pub async fn server_info(client: &Client) -> Result<ServerInfo> {
         reserved_connections: row.get::<_, i32>(6) as u32,
         connections_in_use: row.get::<_, i32>(7) as u32,
         io_method: row.get(8),
+        in_recovery: row.get(9),
     })
 }
 
@@ -203,7 +205,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
                 continue;
             }
         };
-        let (prewarm_schema, ext_problem, note) = ensure_extension(&client, &d.name, opts).await?;
+        let (prewarm_schema, ext_problem, note) = ensure_extension(&client, &d.name, opts, server.in_recovery).await?;
         let mut db_forks = list_forks(&client, &d.name, &server, opts.lock_attempts.max(1)).await?;
         db_forks.retain(|f| {
             // Shared catalogs appear in every database: read them once.
@@ -273,6 +275,7 @@ async fn ensure_extension(
     client: &Client,
     db: &str,
     opts: &PlanOptions,
+    standby: bool,
 ) -> Result<(Option<String>, Option<String>, Option<String>)> {
     if let Some((schema, _)) = prewarm_call(client).await.map_err(|e| Error::query("finding pg_prewarm", e))? {
         return Ok((Some(schema), None, None));
@@ -303,6 +306,17 @@ async fn ensure_extension(
         .is_some();
     if !available {
         return Ok((None, Some("pg_prewarm is not installed on the server (contrib package missing)".into()), None));
+    }
+    if standby {
+        return Ok((
+            None,
+            Some(
+                "pg_prewarm is not installed, and this server is a standby (in recovery), where nothing can be \
+                 created: CREATE EXTENSION pg_prewarm on its primary (it replicates), then run again"
+                    .into(),
+            ),
+            None,
+        ));
     }
     if !opts.create_extension {
         return Ok((None, Some("pg_prewarm is not installed (and --no-create-extension was given)".into()), None));

@@ -98,8 +98,8 @@ pub async fn maintain(
 ) -> (Vec<MaintenanceResult>, Vec<MaintenanceTarget>) {
     let mut results = Vec::new();
     let mut pending: std::collections::VecDeque<MaintenanceTarget> = targets.into();
-    // (database, session, server_version_num)
-    let mut session: Option<(String, tokio_postgres::Client, i32)> = None;
+    // (database, session, server_version_num, in recovery)
+    let mut session: Option<(String, tokio_postgres::Client, i32, bool)> = None;
     let vacuum = opts.action == Maintenance::VacuumAnalyze;
     while let Some(t) = pending.pop_front() {
         let left = opts.deadline.map(|d| d.saturating_duration_since(Instant::now()));
@@ -116,16 +116,15 @@ pub async fn maintain(
             seconds,
         };
         let planned_action = if vacuum { "VACUUM ANALYZE" } else { "ANALYZE" };
-        if session.as_ref().is_none_or(|(db, _, _)| db != &t.database) {
+        if session.as_ref().is_none_or(|(db, _, _, _)| db != &t.database) {
             session = None;
             let opened = async {
                 let client = spec.connect(&t.database).await?;
-                let version: i32 = client
-                    .query_one("SELECT current_setting('server_version_num')::int4", &[])
+                let row = client
+                    .query_one("SELECT current_setting('server_version_num')::int4, pg_is_in_recovery()", &[])
                     .await
-                    .map_err(|e| Error::query("reading server_version_num", e))?
-                    .get(0);
-                Ok::<_, Error>((t.database.clone(), client, version))
+                    .map_err(|e| Error::query("reading server_version_num", e))?;
+                Ok::<_, Error>((t.database.clone(), client, row.get(0), row.get(1)))
             };
             match opened.await {
                 Ok(s) => session = Some(s),
@@ -135,7 +134,20 @@ pub async fn maintain(
                 }
             }
         }
-        let (_, client, version) = session.as_ref().unwrap();
+        let (_, client, version, standby) = session.as_ref().unwrap();
+        if *standby {
+            results.push(result(
+                planned_action,
+                "skipped",
+                Some(
+                    "the server is a standby (in recovery), where nothing can be written: maintain the primary, \
+                     and its statistics replicate"
+                        .into(),
+                ),
+                0.0,
+            ));
+            continue;
+        }
         let mut timeout = opts.statement_timeout;
         if let Some(l) = left {
             timeout = timeout.min(l.saturating_sub(opts.margin / 2)).max(Duration::from_millis(100));

@@ -29,6 +29,10 @@ pub struct ServerInfo {
     /// `io_method` (PostgreSQL 18+: worker, io_uring or sync); None before 18.
     #[serde(default)]
     pub io_method: Option<String>,
+    /// A standby (read replica, or a physical-replication green environment): it can be read and
+    /// warmed, but nothing can be created or maintained on it.
+    #[serde(default)]
+    pub in_recovery: bool,
 }
 
 impl ServerInfo {

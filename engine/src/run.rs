@@ -180,6 +180,7 @@ mod tests {
             reserved_connections: reserved,
             connections_in_use: in_use,
             io_method: None,
+            in_recovery: false,
         }
     }
 

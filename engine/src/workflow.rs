@@ -197,6 +197,7 @@ impl WorkItem {
                 reserved_connections: 0,
                 connections_in_use: 0,
                 io_method: None,
+                in_recovery: false,
             },
             range_blocks: 0,
             databases: vec![DatabaseEntry {
@@ -756,6 +757,7 @@ mod tests {
                 reserved_connections: 3,
                 connections_in_use: 1,
                 io_method: None,
+                in_recovery: false,
             },
             range_blocks,
             databases: (0..databases)

@@ -249,6 +249,53 @@ impl Cluster {
             .expect("pg_ctl")
     }
 
+    /// A streaming replica of this server (`pg_basebackup -R`), in recovery: a hot standby, as an RDS
+    /// read replica or a physical-replication Blue/Green green environment is. Dropping it stops it and
+    /// removes its files.
+    pub fn start_standby(&self) -> Cluster {
+        let dir = pghydrate_home().join("clusters").join(format!(
+            "pg{}-standby-{}-{}",
+            self.major,
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = Cluster { major: self.major, port: 0, dir, bin: self.bin.clone() };
+        if is_root() {
+            c.run(Command::new("chown").args(["-R", RUN_AS]).arg(&c.dir));
+        }
+        c.run(
+            c.pg("pg_basebackup")
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", SUPERUSER, "-X", "stream", "-c", "fast"])
+                .arg("-D")
+                .arg(c.data())
+                .env("PGPASSWORD", SUPERUSER_PASSWORD),
+        );
+        // A standby of the primary (written here, not by -R: the PyPI 18 build's pg_basebackup writes a
+        // conninfo option its own walreceiver refuses), with its own socket directory (the copied
+        // configuration names the primary's).
+        std::fs::write(c.data().join("standby.signal"), "").unwrap();
+        let conf_path = c.data().join("postgresql.auto.conf");
+        let mut conf = std::fs::read_to_string(&conf_path).unwrap();
+        conf.push_str(&format!(
+            "unix_socket_directories = '{}'\nhot_standby = on\n\
+             primary_conninfo = 'host=127.0.0.1 port={} user={SUPERUSER} password={SUPERUSER_PASSWORD} sslmode=require'\n",
+            c.dir.display(),
+            self.port
+        ));
+        std::fs::write(&conf_path, conf).unwrap();
+        for attempt in 0..5 {
+            c.port = free_port();
+            let out = c.pg_ctl_start();
+            if out.status.success() {
+                return c;
+            }
+            eprintln!("standby start attempt {attempt} failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        panic!("standby did not start; log:\n{}", std::fs::read_to_string(c.dir.join("log")).unwrap_or_default());
+    }
+
     /// Stops and starts the server: shared_buffers start empty.
     pub fn restart(&self) {
         self.stop("fast");

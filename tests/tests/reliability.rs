@@ -431,6 +431,62 @@ async fn tls_untrusted_refused_and_disable_is_explicit() {
     assert!(err.contains("WARN") && err.contains("TLS is disabled"), "{err}");
 }
 
+/// A hot standby (an RDS read replica; a physical-replication green environment) is read like any
+/// server, but nothing can be created or maintained on it. Without pg_prewarm on the primary, each
+/// database is skipped with the way out (create it on the primary); once it has replicated, every block
+/// is read on the standby, and maintenance is reported skipped with why, not attempted table by table.
+async fn a_standby_is_warmed_and_nothing_is_attempted_on_it(major: u32) {
+    let primary = Cluster::start(major, &[]);
+    primary.load_sample("app", 1, None).await;
+    let standby = primary.start_standby();
+    let url = standby.superuser_url("postgres");
+    let report = standby.dir().join("standby.json");
+    let run = |extra: &[&str]| {
+        let mut args =
+            vec!["run", &url, "--maintenance", "analyze", "--progress", "none", "--report", report.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        cli(&args, standby.dir())
+    };
+    let (code, _out, err) = run(&[]);
+    assert_eq!(code, 4, "{err}");
+    let r: report::Report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let app = r.databases.iter().find(|d| d.name == "app").unwrap();
+    let reason = app.reason.as_deref().unwrap_or("");
+    assert!(app.outcome == "skipped" && reason.contains("standby") && reason.contains("primary"), "{app:?}");
+    assert!(!err.contains("cannot execute"), "nothing was attempted that a standby refuses: {err}");
+
+    for db in ["postgres", "app"] {
+        primary
+            .client(db)
+            .await
+            .batch_execute("CREATE EXTENSION pg_prewarm; CREATE EXTENSION pg_buffercache")
+            .await
+            .unwrap();
+    }
+    let replica = standby.client("app").await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while replica.query_opt("SELECT 1 FROM pg_extension WHERE extname = 'pg_buffercache'", &[]).await.unwrap().is_none()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the extensions did not replicate; standby log:\n{}",
+            std::fs::read_to_string(standby.dir().join("log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    standby.restart(); // cold
+    let (code, _out, err) = run(&["--mode", "buffer"]);
+    assert_eq!(code, 0, "{err}");
+    let r: report::Report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r.coverage, 1.0);
+    assert!(!r.maintenance.is_empty());
+    for m in &r.maintenance {
+        assert!(m.outcome == "skipped" && m.reason.as_deref().unwrap_or("").contains("standby"), "{m:?}");
+    }
+    let checked = assert_all_blocks_buffered(&standby, &r).await;
+    eprintln!("measured: PostgreSQL {major} standby: {checked} forks, every block buffered; {} tables not maintained, with why", r.maintenance.len());
+}
+
 macro_rules! on_versions {
     ($($test:ident),*) => {
         $(
@@ -448,7 +504,8 @@ on_versions!(
     a_run_writes_nothing,
     network_cuts_are_survived,
     relations_rewritten_after_planning,
-    hostile_identifiers_are_warmed_not_interpolated
+    hostile_identifiers_are_warmed_not_interpolated,
+    a_standby_is_warmed_and_nothing_is_attempted_on_it
 );
 
 /// Step Functions retries a Warm call with its original input when the call fails (its result lost).
