@@ -12,6 +12,7 @@ RESOURCE_EXCEPTIONS = {
     r":db:\*$": "the instance to hydrate is any restored instance, known only when its event arrives",
     r":deployment:\*$": "the Blue/Green deployment is known only when its event arrives",
     r":execution:\$\{AWS::StackName\}-hydrate:\*$": "execution names are made per run; scoped to this state machine",
+    r":execution:\$\{AWS::StackName\}-hydrate/\*$": "a Distributed Map's child executions are named <state machine>/<map run>:<id>, made per run",
     r":secret:rds!\*$": "RDS-managed master user secrets are named rds!db-<id>, per instance, known at run time",
     r"\$\{StateBucket.Arn\}/runs/\*$": "the workflow's own state objects, under its prefix in its own bucket",
     r":dbuser:\*/\$\{IamDatabaseUser\}$": "the DbiResourceId of the instance is known only at run time; the user is fixed",
