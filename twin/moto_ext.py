@@ -26,6 +26,11 @@ twin/test_strict.py):
   (States.Runtime).
 - A Lambda API error is named Lambda.<ExceptionName> (moto names every one "Exception"), so that Retry
   and Catch see what they would see on AWS.
+- ListExecutions is eventually consistent (AWS: "results are best effort and may not reflect very
+  recent updates"): an execution appears in it LIST_LAG seconds after it started, so that nothing that
+  relies on it to see a simultaneous start can pass here.
+- S3 conditional writes (If-None-Match: *, If-Match) are atomic, as S3 documents; moto checks and then
+  writes, so two simultaneous writers could both succeed.
 - Lambda itself, in the shim: a request or response over 6 MB (RequestEntityTooLargeException;
   Function.ResponseSizeTooLarge), and on request an inactive function (ResourceNotReadyException) or
   throttling (TooManyRequestsException) for the next N invokes (POST /lambda-fault).
@@ -58,6 +63,7 @@ HISTORY_LIMIT = 25_000
 # instance id -> {"address", "port", "script": [{"status": ..., "storage": ..., "progress": ...}], "now": {...}}
 INSTANCES: dict = {}
 DESCRIBES: dict = {}
+LIST_LAG = float(os.environ.get("PGHYDRATE_TWIN_LIST_LAG_SECONDS", "3"))
 
 
 def _now(db):
@@ -413,3 +419,51 @@ def serve_side_ports(control_port: int, shim_port: int):
     for port, handler in ((control_port, Control), (shim_port, LambdaShim)):
         server = ThreadingHTTPServer(("127.0.0.1", port), handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
+
+
+import datetime
+
+from moto.stepfunctions.models import StepFunctionBackend, PAGINATION_MODEL
+from moto.utilities.paginator import paginate
+
+_list_executions_unpaginated = StepFunctionBackend.list_executions.__wrapped__
+
+
+@paginate(pagination_model=PAGINATION_MODEL)
+def list_executions(self, state_machine_arn, status_filter=None):  # the name paginate's model is keyed by
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def age(e):
+        started = e.start_date
+        if started.tzinfo is None:
+            started = started.replace(tzinfo=datetime.timezone.utc)
+        return (now - started).total_seconds()
+
+    return [e for e in _list_executions_unpaginated(self, state_machine_arn, status_filter) if age(e) >= LIST_LAG]
+
+
+StepFunctionBackend.list_executions = list_executions
+
+from moto.s3.responses import S3Response
+
+S3_CONDITIONAL = threading.Lock()
+_orig_put_object = S3Response.put_object
+_orig_delete_object = S3Response.delete_object
+
+
+def _put_object_atomic(self):
+    if self.headers.get("If-None-Match") or self.headers.get("If-Match"):
+        with S3_CONDITIONAL:
+            return _orig_put_object(self)
+    return _orig_put_object(self)
+
+
+def _delete_object_atomic(self):
+    if self.headers.get("If-Match"):
+        with S3_CONDITIONAL:
+            return _orig_delete_object(self)
+    return _orig_delete_object(self)
+
+
+S3Response.put_object = _put_object_atomic
+S3Response.delete_object = _delete_object_atomic

@@ -120,17 +120,63 @@ def test_not_postgres_ends_cleanly_and_a_wrong_password_fails_named_without_leak
         assert secret not in text, "a password appears in the execution history or the logs"
 
 
+def leases(twin) -> list:
+    s3 = twin.client("s3")
+    return [o["Key"] for o in s3.list_objects_v2(Bucket="pghydrate-twin-state", Prefix="leases/").get("Contents", [])]
+
+
 def test_the_same_restore_event_delivered_twice_hydrates_once(twin):
+    # ListExecutions lags behind StartExecution here as on AWS (moto_ext.LIST_LAG): the two executions
+    # must find each other through the instance's lease, a conditional write in the state bucket.
     twin.register_instance("twice-db", script=[{"status": "available"}] * 50)
     event = fixture("snapshot-restore-0043")
     event["detail"]["SourceArn"] = event["detail"]["SourceArn"].replace("orders-restored", "twice-db")
-    results = twin.run_many([event, event])
+    results = twin.run_many([event, event, event])
     outputs = [json.loads(d["output"]) for d, _ in results if d["status"] == "SUCCEEDED"]
-    assert len(outputs) == 2, [d["status"] for d, _ in results]
+    assert len(outputs) == 3, [d["status"] for d, _ in results]
     hydrated = [o for o in outputs if o.get("status") == "complete"]
     skipped = [o for o in outputs if o.get("status") == "skipped"]
-    assert len(hydrated) == 1 and len(skipped) == 1, outputs
-    assert "already being hydrated" in skipped[0]["reason"]
+    assert len(hydrated) == 1 and len(skipped) == 2, outputs
+    assert all("twice-db is already being hydrated by execution " + hydrated[0]["execution"] in o["reason"]
+               for o in skipped), skipped
+    assert "leases/twice-db.json" not in leases(twin), "the lease is given back when the instance's branch ends"
+    d, _ = twin.run(event)
+    assert json.loads(d["output"])["status"] == "complete", "a later restore of the same instance runs"
+
+
+def test_a_blue_green_run_and_a_pipelines_run_for_its_green_instance_hydrate_it_once(twin):
+    rds = twin.client("rds")
+    twin.register_instance("bgp-blue")
+    blue_arn = rds.describe_db_instances(DBInstanceIdentifier="bgp-blue")["DBInstances"][0]["DBInstanceArn"]
+    bgd = rds.create_blue_green_deployment(BlueGreenDeploymentName="bgp-upgrade", Source=blue_arn)["BlueGreenDeployment"]
+    green = bgd["Target"].rsplit(":", 1)[-1]
+    twin.register_instance(green, create=False, script=[{"status": "available"}] * 50)
+    event = fixture("blue-green-created-0244")
+    event["detail"]["SourceArn"] = event["resources"][0] = (
+        f"arn:aws:rds:us-east-1:123456789012:deployment:{bgd['BlueGreenDeploymentIdentifier']}")
+    # The 0244 event's run names the deployment, the pipeline's names the green instance.
+    results = twin.run_many([event, {"instance": green}])
+    outputs = [json.loads(d["output"]) for d, _ in results]
+    statuses = sorted(o["status"] for o in outputs)
+    assert statuses == ["complete", "skipped"], outputs
+    skipped = next(o for o in outputs if o["status"] == "skipped")
+    assert f"{green} is already being hydrated" in skipped["reason"], skipped
+
+
+def test_a_lease_left_by_an_execution_that_ended_is_taken_over(twin):
+    sfn = twin.client("stepfunctions")
+    twin.register_instance("stale-db", script=[{"status": "available"}] * 50)
+    # An execution that ended (here: refused input) without giving its lease back, as an aborted run would.
+    ended = twin.start_execution({"instance": "stale-db", "sesions": 1})
+    twin.wait(ended)
+    assert sfn.describe_execution(executionArn=ended)["status"] != "RUNNING"
+    twin.client("s3").put_object(Bucket="pghydrate-twin-state", Key="leases/stale-db.json", Body=json.dumps(
+        {"execution": ended.rsplit(":", 1)[-1], "execution_arn": ended, "since": "2026-01-01T00:00:00Z"}))
+    d, _ = twin.run({"instance": "stale-db"})
+    out = json.loads(d["output"])
+    assert out["status"] == "complete", out
+    assert "took over a lease its execution left behind" in twin.log_text()
+    assert "leases/stale-db.json" not in leases(twin)
 
 
 def test_pghydrate_start_wait_follows_the_execution_with_run_exit_codes(twin):

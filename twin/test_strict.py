@@ -7,7 +7,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from twin import ACCOUNT, Twin
+from twin import ACCOUNT, LIST_LAG, Twin
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +102,15 @@ def test_a_lambda_request_over_6_mb_is_refused(twin):
     with pytest.raises(ClientError) as e:
         lam.invoke(FunctionName="describe", Payload=json.dumps({"pad": "x" * (6 * 1024 * 1024)}).encode())
     assert e.value.response["Error"]["Code"] == "RequestEntityTooLargeException"
+
+
+def test_list_executions_lags_behind_start_execution(twin):
+    import time
+    sfn = twin.client("stepfunctions")
+    arn = twin.start_execution({"instance": "no-such-db-for-the-lag-test"})
+    listed = lambda: [e["executionArn"] for e in sfn.list_executions(stateMachineArn=twin.state_machine,
+                                                                      maxResults=1000)["executions"]]
+    assert arn not in listed(), "a just-started execution is listed at once: the twin is kinder than AWS"
+    time.sleep(LIST_LAG + 0.5)
+    assert arn in listed()
+    twin.wait(arn)

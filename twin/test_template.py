@@ -15,6 +15,7 @@ RESOURCE_EXCEPTIONS = {
     r":execution:\$\{AWS::StackName\}-hydrate/\*$": "a Distributed Map's child executions are named <state machine>/<map run>:<id>, made per run",
     r":secret:rds!\*$": "RDS-managed master user secrets are named rds!db-<id>, per instance, known at run time",
     r"\$\{StateBucket.Arn\}/runs/\*$": "the workflow's own state objects, under its prefix in its own bucket",
+    r"\$\{StateBucket.Arn\}/leases/\*$": "one lease per instance, named after the instance known only at run time",
     r":dbuser:\*/\$\{IamDatabaseUser\}$": "the DbiResourceId of the instance is known only at run time; the user is fixed",
 }
 # APIs without resource-level permissions (AWS documents "*" as their only resource).

@@ -23,6 +23,8 @@ import boto3
 
 ROOT = Path(__file__).resolve().parent.parent
 HOME = Path(os.environ.get("PGHYDRATE_HOME", "/var/tmp/pghydrate"))
+# Seconds before ListExecutions shows a started execution (moto_ext reads the same variable).
+LIST_LAG = float(os.environ.get("PGHYDRATE_TWIN_LIST_LAG_SECONDS", "3"))
 PG_BIN = HOME / "pg" / os.environ.get("PGHYDRATE_TWIN_PG", "15") / "bin"
 RUN_AS = "pghydrate"
 REGION = "us-east-1"
@@ -381,6 +383,7 @@ class Twin:
         every object in the state bucket, every log (moto, cargo lambda watch and so the Lambdas)."""
         found = []
         sfn = self.client("stepfunctions")
+        time.sleep(LIST_LAG)  # ListExecutions lags behind StartExecution
         for e in sfn.list_executions(stateMachineArn=self.state_machine, maxResults=1000)["executions"]:
             d = sfn.describe_execution(executionArn=e["executionArn"])
             history = self.history(e["executionArn"])

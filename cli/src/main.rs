@@ -577,7 +577,7 @@ fn plan_table(plan: &Plan, all: bool) -> String {
         "database", "relation", "kind", "fork", "blocks", "size"
     );
     let mut rows: Vec<_> = plan.forks.iter().filter(|f| !f.excluded).collect();
-    rows.sort_by(|a, b| b.blocks.cmp(&a.blocks));
+    rows.sort_by_key(|f| std::cmp::Reverse(f.blocks));
     let shown = rows.iter().enumerate().filter(|(i, f)| all || *i < 25 || f.planned_skip.is_some()).map(|(_, f)| *f);
     let mut n = 0;
     for f in shown {

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use aws_sdk_rds::error::ProvideErrorMetadata;
+use aws_sdk_rds::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 
 use crate::error::{Error, Result};
 use crate::workflow::InstanceView;
@@ -19,18 +19,38 @@ fn aws_error<E: ProvideErrorMetadata + std::fmt::Debug>(context: &str, e: &E) ->
     Error::Aws { context: context.into(), reason: format!("{code}: {}", e.message().unwrap_or("")), throttled }
 }
 
+/// An SDK error as a named engine error: a request that never got an answer (no route from the VPC to
+/// the endpoint, DNS, a timeout) is `AwsUnreachable` with the SDK's whole cause chain, which is retried;
+/// an answer is classified by its error code.
+fn sdk_error<E, R>(context: &str, e: SdkError<E, R>) -> Error
+where
+    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    R: std::fmt::Debug + Send + Sync + 'static,
+{
+    match e {
+        SdkError::DispatchFailure(_) | SdkError::TimeoutError(_) => Error::AwsUnreachable {
+            context: context.into(),
+            reason: format!(
+                "{} (in a VPC: the function needs a route to this service, an interface endpoint or a NAT gateway)",
+                DisplayErrorContext(&e)
+            ),
+        },
+        SdkError::ServiceError(ref s) => aws_error(context, s.err()),
+        other => {
+            Error::Aws { context: context.into(), reason: format!("{}", DisplayErrorContext(&other)), throttled: false }
+        }
+    }
+}
+
 /// The instance as the workflow needs it; `Error::InstanceNotFound` when it does not exist.
 pub async fn describe_instance(rds: &aws_sdk_rds::Client, id: &str) -> Result<InstanceView> {
     let out = rds.describe_db_instances().db_instance_identifier(id).send().await;
     let out = match out {
         Ok(o) => o,
-        Err(e) => {
-            let service = e.into_service_error();
-            if service.is_db_instance_not_found_fault() {
-                return Err(Error::InstanceNotFound(id.to_string()));
-            }
-            return Err(aws_error("DescribeDBInstances", &service));
+        Err(SdkError::ServiceError(e)) if e.err().is_db_instance_not_found_fault() => {
+            return Err(Error::InstanceNotFound(id.to_string()))
         }
+        Err(e) => return Err(sdk_error("DescribeDBInstances", e)),
     };
     let db = out.db_instances().first().ok_or_else(|| Error::InstanceNotFound(id.to_string()))?;
     Ok(InstanceView {
@@ -59,7 +79,7 @@ pub async fn green_instances(rds: &aws_sdk_rds::Client, deployment: &str) -> Res
         .blue_green_deployment_identifier(deployment)
         .send()
         .await
-        .map_err(|e| aws_error("DescribeBlueGreenDeployments", &e.into_service_error()))?;
+        .map_err(|e| sdk_error("DescribeBlueGreenDeployments", e))?;
     let bgd = out
         .blue_green_deployments()
         .first()
@@ -83,12 +103,7 @@ pub async fn green_instances(rds: &aws_sdk_rds::Client, deployment: &str) -> Res
 /// Username and password from a Secrets Manager secret holding JSON with `username` and `password`
 /// (the shape RDS uses for its managed master secrets).
 pub async fn secret_credentials(sm: &aws_sdk_secretsmanager::Client, arn: &str) -> Result<(String, String)> {
-    let out = sm
-        .get_secret_value()
-        .secret_id(arn)
-        .send()
-        .await
-        .map_err(|e| aws_error("GetSecretValue", &e.into_service_error()))?;
+    let out = sm.get_secret_value().secret_id(arn).send().await.map_err(|e| sdk_error("GetSecretValue", e))?;
     let text = out.secret_string().ok_or_else(|| Error::InvalidInput(format!("secret {arn} has no string value")))?;
     crate::workflow::credentials_from_secret(text).map_err(|why| Error::InvalidInput(format!("secret {arn}: {why}")))
 }
@@ -101,7 +116,7 @@ pub async fn put_json(s3: &aws_sdk_s3::Client, bucket: &str, key: &str, body: Ve
         .body(body.into())
         .send()
         .await
-        .map_err(|e| aws_error(&format!("PutObject s3://{bucket}/{key}"), &e.into_service_error()))?;
+        .map_err(|e| sdk_error(&format!("PutObject s3://{bucket}/{key}"), e))?;
     Ok(())
 }
 
@@ -112,7 +127,7 @@ pub async fn get_bytes(s3: &aws_sdk_s3::Client, bucket: &str, key: &str) -> Resu
         .key(key)
         .send()
         .await
-        .map_err(|e| aws_error(&format!("GetObject s3://{bucket}/{key}"), &e.into_service_error()))?;
+        .map_err(|e| sdk_error(&format!("GetObject s3://{bucket}/{key}"), e))?;
     let data = out.body.collect().await.map_err(|e| Error::Aws {
         context: format!("reading s3://{bucket}/{key}"),
         reason: e.to_string(),
@@ -154,7 +169,7 @@ pub async fn start_execution(
         .input(input.to_string())
         .send()
         .await
-        .map_err(|e| aws_error("StartExecution", &e.into_service_error()))?;
+        .map_err(|e| sdk_error("StartExecution", e))?;
     Ok(out.execution_arn().to_string())
 }
 
@@ -164,7 +179,7 @@ pub async fn describe_execution(sfn: &aws_sdk_sfn::Client, execution: &str) -> R
         .execution_arn(execution)
         .send()
         .await
-        .map_err(|e| aws_error("DescribeExecution", &e.into_service_error()))?;
+        .map_err(|e| sdk_error("DescribeExecution", e))?;
     Ok(ExecutionView {
         status: out.status().as_str().to_string(),
         output: out.output().map(str::to_string),
@@ -181,5 +196,173 @@ pub fn execution_exit_code(v: &ExecutionView) -> i32 {
         ("FAILED", Some("HydrationIncomplete")) => exit::INCOMPLETE,
         ("FAILED", Some("InvalidInput" | "InstanceNotFound")) => exit::INVALID_INPUT,
         _ => exit::INTERNAL,
+    }
+}
+
+/// Who is hydrating an instance. One object per instance in the state bucket, `leases/<instance>.json`,
+/// created with `If-None-Match: *`: S3's conditional writes are strongly consistent, so of two
+/// executions that start at the same moment for the same instance exactly one creates it. A Blue/Green
+/// run and a pipeline's run for one of its green instances take the same instance's lease and so see
+/// each other (ListExecutions, used before, is eventually consistent and named the deployment, not the
+/// instance).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LeaseHolder {
+    /// The execution's name (`$$.Execution.Name`), which the run's report carries.
+    pub execution: String,
+    /// Its ARN, to ask Step Functions whether it still runs.
+    pub execution_arn: String,
+    /// When it took the lease (RFC 3339).
+    pub since: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Lease {
+    /// This execution holds the lease; `took_over` names a holder that had ended without releasing it.
+    Acquired { took_over: Option<String> },
+    /// A running execution holds it.
+    HeldBy(String),
+}
+
+pub fn lease_key(instance: &str) -> String {
+    format!("leases/{instance}.json")
+}
+
+fn precondition_failed<R>(e: &SdkError<aws_sdk_s3::operation::put_object::PutObjectError, R>) -> bool {
+    matches!(e, SdkError::ServiceError(s) if matches!(s.err().code(), Some("PreconditionFailed" | "ConditionalRequestConflict")))
+}
+
+/// The lease object and its ETag, or None when there is none.
+async fn read_lease(s3: &aws_sdk_s3::Client, bucket: &str, key: &str) -> Result<Option<(Vec<u8>, String)>> {
+    let out = match s3.get_object().bucket(bucket).key(key).send().await {
+        Ok(o) => o,
+        Err(SdkError::ServiceError(e)) if e.err().is_no_such_key() => return Ok(None),
+        Err(e) => return Err(sdk_error(&format!("GetObject s3://{bucket}/{key}"), e)),
+    };
+    let etag = out.e_tag().unwrap_or_default().to_string();
+    let data = out.body.collect().await.map_err(|e| Error::AwsUnreachable {
+        context: format!("reading s3://{bucket}/{key}"),
+        reason: e.to_string(),
+    })?;
+    Ok(Some((data.into_bytes().to_vec(), etag)))
+}
+
+/// Whether the execution is RUNNING; None when Step Functions says it does not exist.
+async fn execution_running(sfn: &aws_sdk_sfn::Client, arn: &str) -> Result<Option<bool>> {
+    match sfn.describe_execution().execution_arn(arn).send().await {
+        Ok(o) => Ok(Some(o.status().as_str() == "RUNNING")),
+        Err(SdkError::ServiceError(e)) if e.err().is_execution_does_not_exist() => Ok(None),
+        Err(e) => Err(sdk_error("DescribeExecution", e)),
+    }
+}
+
+/// How long an execution that Step Functions says does not exist still counts as its lease's holder.
+/// DescribeExecution is eventually consistent: an execution that started a moment ago can be unknown
+/// to it for a while; an execution older than this is really gone (history expired, machine replaced).
+pub const UNKNOWN_HOLDER_GRACE: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
+/// Whether a lease's holder still holds it: it runs, or Step Functions does not know it yet and the
+/// lease is younger than [`UNKNOWN_HOLDER_GRACE`]. A `since` that does not parse counts as old.
+pub fn holder_holds(running: Option<bool>, since: &str, now: std::time::SystemTime) -> bool {
+    match running {
+        Some(r) => r,
+        None => humantime::parse_rfc3339_weak(since.trim_end_matches('Z'))
+            .ok()
+            .and_then(|t| now.duration_since(t).ok().or(Some(std::time::Duration::ZERO)))
+            .is_some_and(|age| age < UNKNOWN_HOLDER_GRACE),
+    }
+}
+
+/// Takes the instance's lease for `me`: created if there is none; kept if `me` already holds it (a
+/// retried Resolve); taken over, with `If-Match` on the holder's version, when its holder no longer
+/// runs (aborted, timed out, failed before releasing it; see [`holder_holds`]) or the object is not a
+/// lease.
+pub async fn acquire_lease(
+    s3: &aws_sdk_s3::Client,
+    sfn: &aws_sdk_sfn::Client,
+    bucket: &str,
+    instance: &str,
+    me: &LeaseHolder,
+) -> Result<Lease> {
+    let key = lease_key(instance);
+    let body = serde_json::to_vec(me).map_err(|e| Error::InvalidInput(e.to_string()))?;
+    // None: create; Some(etag): replace exactly that version.
+    let mut replace: Option<String> = None;
+    let mut took_over = None;
+    for _ in 0..5 {
+        let put = s3.put_object().bucket(bucket).key(&key).content_type("application/json").body(body.clone().into());
+        let put = match &replace {
+            None => put.if_none_match("*"),
+            Some(etag) => put.if_match(etag),
+        };
+        match put.send().await {
+            Ok(_) => return Ok(Lease::Acquired { took_over }),
+            Err(e) if precondition_failed(&e) => {}
+            Err(e) => return Err(sdk_error(&format!("PutObject s3://{bucket}/{key}"), e)),
+        }
+        let Some((data, etag)) = read_lease(s3, bucket, &key).await? else {
+            replace = None; // released in between: create it
+            continue;
+        };
+        match serde_json::from_slice::<LeaseHolder>(&data) {
+            Ok(h) if h.execution == me.execution => return Ok(Lease::Acquired { took_over: None }),
+            Ok(h)
+                if holder_holds(
+                    execution_running(sfn, &h.execution_arn).await?,
+                    &h.since,
+                    std::time::SystemTime::now(),
+                ) =>
+            {
+                return Ok(Lease::HeldBy(h.execution))
+            }
+            Ok(h) => took_over = Some(h.execution),
+            Err(_) => took_over = Some(format!("an unreadable lease object {key}")),
+        }
+        replace = Some(etag);
+    }
+    Err(Error::Aws {
+        context: format!("lease s3://{bucket}/{key}"),
+        reason: "changed hands five times while being taken; trying again later".into(),
+        throttled: true,
+    })
+}
+
+/// Gives the instance's lease back if `execution` holds it (a lease taken over by another run is left
+/// alone). Returns whether one was released.
+pub async fn release_lease(s3: &aws_sdk_s3::Client, bucket: &str, instance: &str, execution: &str) -> Result<bool> {
+    let key = lease_key(instance);
+    let Some((data, etag)) = read_lease(s3, bucket, &key).await? else { return Ok(false) };
+    match serde_json::from_slice::<LeaseHolder>(&data) {
+        Ok(h) if h.execution == execution => {}
+        _ => return Ok(false),
+    }
+    match s3.delete_object().bucket(bucket).key(&key).if_match(etag).send().await {
+        Ok(_) => Ok(true),
+        Err(SdkError::ServiceError(e)) if matches!(e.err().code(), Some("PreconditionFailed")) => Ok(false),
+        Err(e) => Err(sdk_error(&format!("DeleteObject s3://{bucket}/{key}"), e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_lease_is_held_while_its_execution_runs_or_is_not_known_yet() {
+        let now = humantime::parse_rfc3339("2026-12-03T12:00:00Z").unwrap();
+        let ago = |s: u64| humantime::format_rfc3339_millis(now - Duration::from_secs(s)).to_string();
+        assert!(holder_holds(Some(true), &ago(86_400), now), "running: held, however old");
+        assert!(!holder_holds(Some(false), &ago(1), now), "ended: free, however young");
+        assert!(holder_holds(None, &ago(5), now), "unknown a moment after it started: not visible yet");
+        assert!(holder_holds(None, &ago(14 * 60), now));
+        assert!(!holder_holds(None, &ago(16 * 60), now), "unknown long after: gone");
+        assert!(!holder_holds(None, "not a time", now));
+        let future = humantime::format_rfc3339(now + Duration::from_secs(30)).to_string();
+        assert!(holder_holds(None, &future, now), "a clock a little ahead is young, not old");
+    }
+
+    #[test]
+    fn leases_are_one_object_per_instance() {
+        assert_eq!(lease_key("orders-green-abc123"), "leases/orders-green-abc123.json");
     }
 }

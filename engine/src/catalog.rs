@@ -209,7 +209,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         let mut db_forks = list_forks(&client, &d.name, &server, opts.lock_attempts.max(1)).await?;
         db_forks.retain(|f| {
             // Shared catalogs appear in every database: read them once.
-            !(f.kind_is_shared && !seen_shared.insert((f.entry.oid, f.entry.fork)))
+            !f.kind_is_shared || seen_shared.insert((f.entry.oid, f.entry.fork))
         });
         for mut f in db_forks.into_iter().map(|f| f.entry) {
             let (schema, table) = f.table.split_once('.').unwrap_or(("", &f.table));

@@ -418,7 +418,7 @@ fn overlay_hosts(mut base: Config, parsed: &Config) -> Config {
         fresh.user(u);
     }
     if let Some(pw) = base.get_password() {
-        fresh.password(pw.to_vec());
+        fresh.password(pw);
     }
     if let Some(d) = base.get_dbname() {
         fresh.dbname(d);

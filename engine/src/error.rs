@@ -63,6 +63,11 @@ pub enum Error {
     #[error("{context}: {reason}")]
     Aws { context: String, reason: String, throttled: bool },
 
+    /// An AWS API endpoint could not be reached or did not answer in time (no route from the VPC, DNS,
+    /// a timeout): retried, and the reason carries the cause the SDK gave.
+    #[error("{context}: the AWS endpoint did not answer: {reason}")]
+    AwsUnreachable { context: String, reason: String },
+
     /// The DB instance does not exist (or is not visible to this account and region).
     #[error("DB instance {0:?} not found")]
     InstanceNotFound(String),
@@ -88,13 +93,14 @@ impl Error {
             Error::Io { .. } => "IoFailed",
             Error::Aws { throttled: true, .. } => "AwsThrottled",
             Error::Aws { .. } => "AwsFailed",
+            Error::AwsUnreachable { .. } => "AwsUnreachable",
             Error::InstanceNotFound(_) => "InstanceNotFound",
         }
     }
 
     /// Whether trying again later can succeed (the state machine retries these).
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::Connect { .. } | Error::Aws { throttled: true, .. })
+        matches!(self, Error::Connect { .. } | Error::Aws { throttled: true, .. } | Error::AwsUnreachable { .. })
             || matches!(self, Error::Query { source, .. } if is_connection_error(source))
     }
 
@@ -104,7 +110,7 @@ impl Error {
             Error::Connect { .. } | Error::Authentication { .. } | Error::Tls { .. } => exit::CONNECTION,
             Error::Query { source, .. } if is_connection_error(source) => exit::CONNECTION,
             Error::InstanceNotFound(_) => exit::INVALID_INPUT,
-            Error::Aws { .. } => exit::CONNECTION,
+            Error::Aws { .. } | Error::AwsUnreachable { .. } => exit::CONNECTION,
             Error::Query { .. } | Error::Io { .. } => exit::INTERNAL,
         }
     }

@@ -486,27 +486,6 @@ pub fn qualifies(v: &InstanceView, d: &Defaults) -> std::result::Result<(), Stri
 }
 
 /// A running execution of the workflow, as far as duplicate detection needs it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Running {
-    pub name: String,
-    /// Start time, milliseconds since the epoch.
-    pub started_ms: u64,
-    /// Instance identifiers (or Blue/Green deployment identifiers) its input names.
-    pub subjects: Vec<String>,
-}
-
-/// When several executions target `subject` at once, the earliest started (then the smallest name)
-/// hydrates it; every execution computes the same answer, so simultaneous starts cannot both proceed.
-/// Returns the execution that owns `subject` when it is not `me`.
-pub fn owner_elsewhere(me: &Running, others: &[Running], subject: &str) -> Option<String> {
-    others
-        .iter()
-        .filter(|o| o.name != me.name && o.subjects.iter().any(|s| s == subject))
-        .filter(|o| (o.started_ms, o.name.as_str()) < (me.started_ms, me.name.as_str()))
-        .min_by(|a, b| (a.started_ms, a.name.as_str()).cmp(&(b.started_ms, b.name.as_str())))
-        .map(|o| o.name.clone())
-}
-
 /// Where and as whom to connect, resolved by the describe call that saw the instance available.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Endpoint {
@@ -684,23 +663,6 @@ mod tests {
         let (state, detail, progress) = storage_state(&view("available", Some("Optimizing"), Some(40)));
         assert_eq!((state, progress), ("initialized", None), "{detail}");
         assert_eq!(storage_state(&view("deleting", Some("Initializing"), Some(3))).0, "failed");
-    }
-
-    #[test]
-    fn one_execution_per_instance_and_all_agree_which() {
-        let run = |name: &str, started_ms: u64, subjects: &[&str]| Running {
-            name: name.into(),
-            started_ms,
-            subjects: subjects.iter().map(|s| s.to_string()).collect(),
-        };
-        let a = run("a", 1_764_494_048_000, &["db1"]);
-        let b = run("b", 1_764_494_048_123, &["db1"]);
-        let c = run("c", 1_764_494_048_000, &["db1"]);
-        let all = vec![a.clone(), b.clone(), c.clone()];
-        assert_eq!(owner_elsewhere(&a, &all, "db1"), None, "the earliest (then smallest name) proceeds");
-        assert_eq!(owner_elsewhere(&b, &all, "db1"), Some("a".into()));
-        assert_eq!(owner_elsewhere(&c, &all, "db1"), Some("a".into()), "same start: the name decides");
-        assert_eq!(owner_elsewhere(&b, &all, "db2"), None, "other instances are not affected");
     }
 
     #[test]

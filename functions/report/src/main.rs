@@ -17,7 +17,7 @@ enum Request {
     /// The end of one instance's branch: InstanceDone's or InstanceFailed's output.
     Instance { instance: Value },
     /// The end of the run: every instance's report.
-    Run { run: RunConfig, instances: Vec<InstanceReport> },
+    Run { run: Box<RunConfig>, instances: Vec<InstanceReport> },
 }
 
 #[derive(Serialize)]
@@ -142,9 +142,31 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
     })
 }
 
-async fn handler(aws: &Aws, event: LambdaEvent<Request>) -> Result<Response, Failure> {
+struct Deps {
+    aws: Aws,
+    /// The state bucket, where each instance's lease lives.
+    bucket: String,
+}
+
+/// The instance's branch has ended: its lease goes back first, so that a later restore of the same
+/// instance is not turned away while this run only writes its summary. A lease that cannot be given
+/// back is not an error of the hydration: the next run takes it over once this execution has ended.
+async fn release(deps: &Deps, v: &Value) {
+    let (Some(instance), Some(execution)) = (v["instance"].as_str(), v["execution"].as_str()) else { return };
+    match pghydrate::aws::release_lease(&deps.aws.s3, &deps.bucket, instance, execution).await {
+        Ok(true) => tracing::info!(%instance, "lease released"),
+        Ok(false) => tracing::warn!(%instance, "no lease of this execution to release (taken over, or never taken)"),
+        Err(e) => tracing::warn!(%instance, error = %e, "the lease could not be released; the next run takes it over"),
+    }
+}
+
+async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, Failure> {
+    let aws = &deps.aws;
     match event.payload {
-        Request::Instance { instance } => Ok(Response::Instance(Box::new(instance_report(aws, &instance).await?))),
+        Request::Instance { instance } => {
+            release(deps, &instance).await;
+            Ok(Response::Instance(Box::new(instance_report(aws, &instance).await?)))
+        }
         Request::Run { run, instances } => Ok(Response::Run(summary(&run, instances))),
     }
 }
@@ -192,8 +214,9 @@ fn summary(run: &RunConfig, instances: Vec<InstanceReport>) -> Summary {
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
     init_tracing();
-    let aws = Aws::from_env().await;
-    run(service_fn(|e| async { handler(&aws, e).await.map_err(Diagnostic::from) })).await
+    let bucket = std::env::var("PGHYDRATE_STATE_BUCKET").map_err(|_| "PGHYDRATE_STATE_BUCKET is not set")?;
+    let deps = Deps { aws: Aws::from_env().await, bucket };
+    run(service_fn(|e| async { handler(&deps, e).await.map_err(Diagnostic::from) })).await
 }
 
 #[cfg(test)]

@@ -2,8 +2,9 @@
 //! configuration and the instances to hydrate, or a clean "skipped" with the reason.
 
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
+use pghydrate::aws::{acquire_lease, Lease, LeaseHolder};
 use pghydrate::events::{parse_input, InputError, TriggerKind};
-use pghydrate::workflow::{owner_elsewhere, qualifies, Defaults, RunConfig, Running, Target};
+use pghydrate::workflow::{qualifies, Defaults, RunConfig, Target};
 use pghydrate::Error;
 use pghydrate_lambda::{init_tracing, Aws, Failure};
 use serde::{Deserialize, Serialize};
@@ -13,7 +14,8 @@ use serde_json::Value;
 struct Request {
     input: Value,
     execution: String,
-    /// $$.Execution.Id and $$.Execution.StartTime: to find other runs for the same instance.
+    /// $$.Execution.Id and $$.Execution.StartTime: recorded in each instance's lease, so that a later
+    /// execution can ask whether this one still runs.
     #[serde(default)]
     execution_arn: Option<String>,
     #[serde(default)]
@@ -31,6 +33,8 @@ struct Deps {
     aws: Aws,
     sfn: aws_sdk_sfn::Client,
     defaults: Defaults,
+    /// The state bucket, where each instance's lease lives.
+    bucket: String,
 }
 
 /// arn:aws:lambda:REGION:ACCOUNT:function:NAME
@@ -71,25 +75,29 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
             Err(why) => reasons.push(why),
         }
     }
+    // One execution per instance: each target's lease, taken with a conditional write (see
+    // pghydrate::aws::acquire_lease). Without an execution ARN (a direct invoke) nothing is leased.
     if let (Some(arn), Some(started)) = (&event.payload.execution_arn, &event.payload.started) {
-        let others = running_executions(&deps.sfn, arn, account.as_deref(), region.as_deref()).await?;
-        // Every execution must see the same start times: take our own from the same listing when it is
-        // there (the context's StartTime may be formatted with another precision).
-        let started_ms = match others.iter().find(|o| o.name == event.payload.execution) {
-            Some(o) => o.started_ms,
-            None => pghydrate_lambda::epoch_ms(started)?,
+        let me = LeaseHolder {
+            execution: event.payload.execution.clone(),
+            execution_arn: arn.clone(),
+            since: started.clone(),
         };
-        let me = Running { name: event.payload.execution.clone(), started_ms, subjects: ids_of(&trigger, &targets) };
-        targets.retain(|t| {
-            let subject = trigger.deployment.clone().unwrap_or_else(|| t.instance.clone());
-            match owner_elsewhere(&me, &others, &subject) {
-                Some(owner) => {
-                    reasons.push(format!("{subject} is already being hydrated by execution {owner}"));
-                    false
+        let mut kept = Vec::new();
+        for t in targets {
+            match acquire_lease(&deps.aws.s3, &deps.sfn, &deps.bucket, &t.instance, &me).await? {
+                Lease::Acquired { took_over } => {
+                    if let Some(stale) = took_over {
+                        tracing::warn!(instance = %t.instance, previous = %stale, "took over a lease its execution left behind");
+                    }
+                    kept.push(t)
                 }
-                None => true,
+                Lease::HeldBy(owner) => {
+                    reasons.push(format!("{} is already being hydrated by execution {owner}", t.instance))
+                }
             }
-        });
+        }
+        targets = kept;
     }
     if targets.is_empty() {
         return skipped(reasons.join("; "));
@@ -98,65 +106,13 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     Ok(Response { run: Some(run_config), targets, skipped: None })
 }
 
-/// What an execution hydrates: the Blue/Green deployment, else its instances.
-fn ids_of(trigger: &pghydrate::events::Trigger, targets: &[Target]) -> Vec<String> {
-    match &trigger.deployment {
-        Some(d) => vec![d.clone()],
-        None => targets.iter().map(|t| t.instance.clone()).collect(),
-    }
-}
-
-/// The state machine's other running executions and what their inputs name. Inputs that do not
-/// parse name nothing (they will fail on their own).
-async fn running_executions(
-    sfn: &aws_sdk_sfn::Client,
-    execution_arn: &str,
-    account: Option<&str>,
-    region: Option<&str>,
-) -> Result<Vec<Running>, Error> {
-    use aws_sdk_sfn::types::ExecutionStatus;
-    let aws_err =
-        |ctx: &str, e: String| Error::Aws { context: ctx.into(), reason: e.clone(), throttled: e.contains("Throttl") };
-    // arn:aws:states:REGION:ACCOUNT:execution:MACHINE:NAME -> arn:aws:states:REGION:ACCOUNT:stateMachine:MACHINE
-    let parts: Vec<&str> = execution_arn.split(':').collect();
-    if parts.len() < 8 || parts[5] != "execution" {
-        return Err(Error::InvalidInput(format!("execution_arn {execution_arn:?} is not an execution ARN")));
-    }
-    let machine = format!("{}:stateMachine:{}", parts[..5].join(":"), parts[6]);
-    let mut out = Vec::new();
-    let mut pages = sfn
-        .list_executions()
-        .state_machine_arn(&machine)
-        .status_filter(ExecutionStatus::Running)
-        .into_paginator()
-        .items()
-        .send();
-    while let Some(item) = pages.next().await {
-        let item =
-            item.map_err(|e| aws_err("ListExecutions", format!("{}", aws_sdk_sfn::error::DisplayErrorContext(e))))?;
-        let described = sfn
-            .describe_execution()
-            .execution_arn(item.execution_arn())
-            .send()
-            .await
-            .map_err(|e| aws_err("DescribeExecution", format!("{}", aws_sdk_sfn::error::DisplayErrorContext(e))))?;
-        let input: Value = described.input().and_then(|i| serde_json::from_str(i).ok()).unwrap_or(Value::Null);
-        let subjects = match parse_input(&input, account, region) {
-            Ok(t) => t.deployment.or(t.instance).into_iter().collect(),
-            Err(_) => vec![],
-        };
-        let started_ms = described.start_date().to_millis().unwrap_or(i64::MAX).max(0) as u64;
-        out.push(Running { name: item.name().to_string(), started_ms, subjects });
-    }
-    Ok(out)
-}
-
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
     init_tracing();
     let defaults = Defaults::from_env(|k| std::env::var(k).ok()).map_err(|e| Box::new(e) as lambda_runtime::Error)?;
     let aws = Aws::from_env().await;
-    let deps = Deps { sfn: aws_sdk_sfn::Client::new(&aws.sdk), aws, defaults };
+    let bucket = std::env::var("PGHYDRATE_STATE_BUCKET").map_err(|_| "PGHYDRATE_STATE_BUCKET is not set")?;
+    let deps = Deps { sfn: aws_sdk_sfn::Client::new(&aws.sdk), aws, defaults, bucket };
     run(service_fn(|e| async { handler(&deps, e).await.map_err(Diagnostic::from) })).await
 }
 
@@ -167,7 +123,12 @@ mod tests {
 
     fn deps() -> Deps {
         let aws = Aws::offline("us-east-1", "http://127.0.0.1:9");
-        Deps { sfn: aws_sdk_sfn::Client::new(&aws.sdk), aws, defaults: Defaults::from_env(|_| None).unwrap() }
+        Deps {
+            sfn: aws_sdk_sfn::Client::new(&aws.sdk),
+            aws,
+            defaults: Defaults::from_env(|_| None).unwrap(),
+            bucket: "unused".into(),
+        }
     }
 
     fn event(input: Value) -> LambdaEvent<Request> {
