@@ -361,6 +361,25 @@ mod tests {
         assert!(holder_holds(None, &future, now), "a clock a little ahead is young, not old");
     }
 
+    /// In a VPC without a route to RDS the SDK never gets an answer: the error is named, retried, and
+    /// carries the SDK's cause (it used to be "Unknown: " with nothing after it).
+    #[tokio::test]
+    async fn an_endpoint_that_does_not_answer_is_unreachable_with_its_cause() {
+        let config = aws_sdk_rds::Config::builder()
+            .region(aws_sdk_rds::config::Region::from_static("us-east-1"))
+            .endpoint_url("http://127.0.0.1:9")
+            .credentials_provider(aws_sdk_rds::config::Credentials::new("a", "b", None, None, "test"))
+            .retry_config(aws_sdk_rds::config::retry::RetryConfig::disabled())
+            .behavior_version(aws_sdk_rds::config::BehaviorVersion::latest())
+            .build();
+        let e = describe_instance(&aws_sdk_rds::Client::from_conf(config), "db1").await.unwrap_err();
+        assert_eq!(e.name(), "AwsUnreachable", "{e}");
+        assert!(e.is_retryable());
+        let text = e.to_string();
+        assert!(text.starts_with("DescribeDBInstances: the AWS endpoint did not answer: "), "{text}");
+        assert!(text.contains("refused") || text.contains("connect"), "the cause is kept: {text}");
+    }
+
     #[test]
     fn leases_are_one_object_per_instance() {
         assert_eq!(lease_key("orders-green-abc123"), "leases/orders-green-abc123.json");
