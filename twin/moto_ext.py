@@ -7,8 +7,11 @@ What moto lacks that the workflow needs, and nothing else:
   so "Initializing 10%, 55%, then absent" or "creating, then available" happen call by call.
 - Lambda tasks: moto's Step Functions interpreter invokes Lambda through its own (docker-based) Lambda;
   here its Lambda client points at the shim in front of `cargo lambda watch` (the real binaries).
-- A Distributed Map's ResultWriter: moto writes an empty manifest and drops the results (its own TODO);
-  here the results go to SUCCEEDED_0.json, listed in the manifest, as Step Functions writes them.
+- A Distributed Map's ResultWriter: moto writes an empty manifest and drops the results (its own TODO),
+  and its parser refuses WriterConfig. Here the results are written as Step Functions documents them:
+  without WriterConfig (Transformation NONE, OutputType JSON) each child's metadata, Input and Output as
+  a JSON array; COMPACT or FLATTEN, its Output only; JSONL, one per line; failed children, always in the
+  NONE shape, in FAILED_0.json; all listed in manifest.json.
 - EventBridge targets that are state machines: moto delivers only to logs, SQS and buses; here a rule's
   Step Functions target starts an execution with the event as input (asynchronously, as EventBridge does).
 - StartExecution without a name: AWS names the execution with a UUID; moto leaves it null (and so
@@ -105,24 +108,113 @@ RDSResponse.describe_db_instances = _describe
 from moto.stepfunctions.parser.asl.component.state.exec.state_map.result_writer.resource_eval import resource_eval_s3
 
 
+# WriterConfig per ResultWriter, by its static (Bucket, Prefix): moto's parser does not know the field, so it
+# is taken out of the definition before parsing and applied when the results are written.
+WRITER_CONFIGS: dict = {}
+# Map Run ARN -> {child index: the child's input (after ItemSelector)}
+CHILD_INPUTS: dict = {}
+
+from moto.stepfunctions.parser.asl.parse.asl_parser import AmazonStateLanguageParser
+from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.itemprocessor.distributed_item_processor_worker import (
+    DistributedItemProcessorWorker,
+)
+
+_orig_parse = AmazonStateLanguageParser.parse
+
+
+def _take_writer_configs(node):
+    if isinstance(node, dict):
+        writer = node.get("ResultWriter")
+        if isinstance(writer, dict) and "WriterConfig" in writer:
+            config = writer.pop("WriterConfig")
+            params = writer.get("Parameters") or {}
+            WRITER_CONFIGS[(params.get("Bucket"), params.get("Prefix", ""))] = config
+        for v in node.values():
+            _take_writer_configs(v)
+    elif isinstance(node, list):
+        for v in node:
+            _take_writer_configs(v)
+
+
+def _parse(definition: str):
+    try:
+        tree = json.loads(definition)
+    except ValueError:
+        return _orig_parse(definition)
+    _take_writer_configs(tree)
+    return _orig_parse(json.dumps(tree))
+
+
+AmazonStateLanguageParser.parse = staticmethod(_parse)
+
+_orig_distributed_eval_input = DistributedItemProcessorWorker._eval_input
+
+
+def _distributed_eval_input(self, env_frame):
+    _orig_distributed_eval_input(self, env_frame)
+    index = env_frame.states.context_object.context_object_data["Map"]["Item"]["Index"]
+    with LOCK:
+        CHILD_INPUTS.setdefault(self._map_run_record.map_run_arn, {})[index] = env_frame.states.get_input()
+
+
+DistributedItemProcessorWorker._eval_input = _distributed_eval_input
+
+
 def _put_results(env, resource_runtime_part, state_credentials):
+    import datetime
     parameters = env.stack.pop()
     results = env.stack.pop()
     s3 = resource_eval_s3.ResourceEvalS3._get_s3_client(resource_runtime_part, state_credentials)
     run = env.map_run_record_pool_manager.get_all().pop()
     uuid = run.map_run_arn.split(":")[-1]
+    config = WRITER_CONFIGS.get((parameters.get("Bucket"), parameters.get("Prefix", "")), {})
+    transformation = config.get("Transformation", "NONE")
+    lines = config.get("OutputType", "JSON") == "JSONL"
     prefix = parameters.get("Prefix", "")
     if prefix and not prefix.endswith("/"):
         prefix += "/"
-    entries = [{"Output": json.dumps(r), "Status": "SUCCEEDED"} for r in (results or [])]
-    body = json.dumps(entries).encode()
-    results_key = f"{prefix}{uuid}/SUCCEEDED_0.json"
-    s3.put_object(Bucket=parameters["Bucket"], Key=results_key, Body=body)
-    manifest = {
-        "DestinationBucket": parameters["Bucket"],
-        "MapRunArn": run.map_run_arn,
-        "ResultFiles": {"FAILED": [], "PENDING": [], "SUCCEEDED": [{"Key": results_key, "Size": len(body)}]},
-    }
+    with LOCK:
+        inputs = CHILD_INPUTS.pop(run.map_run_arn, {})
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    # The Map Run's children: <state machine>/<map label>:<uuid>, as Step Functions names them.
+    machine = run.map_run_arn.split(":")[6].split("/")[0]
+    arn_prefix = ":".join(run.map_run_arn.split(":")[:5]) + f":execution:{machine}/" + run.map_run_arn.split(":")[6].split("/")[-1]
+
+    def full(i, output, status):
+        entry = {"ExecutionArn": f"{arn_prefix}:{i:08d}", "Input": json.dumps(inputs.get(i)),
+                 "InputDetails": {"Included": True}, "Name": f"{i:08d}", "RedriveCount": 0,
+                 "RedriveStatus": "NOT_REDRIVABLE", "StartDate": now, "StateMachineArn": run.map_run_arn,
+                 "Status": status, "StopDate": now}
+        if status == "SUCCEEDED":
+            entry["Output"] = json.dumps(output)
+            entry["OutputDetails"] = {"Included": True}
+        else:
+            entry["Error"] = "States.TaskFailed"
+            entry["Cause"] = "the child execution failed (the twin keeps no cause)"
+        return entry
+
+    files = {"SUCCEEDED": [], "FAILED": []}
+    for i, output in enumerate(results or []):
+        if output is None:
+            files["FAILED"].append(full(i, None, "FAILED"))
+        elif transformation == "NONE":
+            files["SUCCEEDED"].append(full(i, output, "SUCCEEDED"))
+        elif transformation == "FLATTEN" and isinstance(output, list):
+            files["SUCCEEDED"].extend(output)
+        else:
+            files["SUCCEEDED"].append(output)
+    listed = {"FAILED": [], "PENDING": [], "SUCCEEDED": []}
+    for status, entries in files.items():
+        if not entries and status != "SUCCEEDED":
+            continue
+        if lines:
+            body = "".join(json.dumps(e) + "\n" for e in entries).encode()
+        else:
+            body = json.dumps(entries).encode()
+        key = f"{prefix}{uuid}/{status}_0.json"
+        s3.put_object(Bucket=parameters["Bucket"], Key=key, Body=body)
+        listed[status].append({"Key": key, "Size": len(body)})
+    manifest = {"DestinationBucket": parameters["Bucket"], "MapRunArn": run.map_run_arn, "ResultFiles": listed}
     key = f"{prefix}{uuid}/manifest.json"
     s3.put_object(Bucket=parameters["Bucket"], Key=key, Body=json.dumps(manifest).encode())
     env.stack.append({"MapRunArn": run.map_run_arn, "ResultWriterDetails": {"Bucket": parameters["Bucket"], "Key": key}})

@@ -245,6 +245,11 @@ def test_a_plan_over_the_inline_limit_goes_through_s3_and_a_distributed_map():
         assert len(items) > 40
         inst = json.loads(d["output"])["instances"][0]
         assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 0, inst
+        # The results as the definition asks (COMPACT, JSON Lines): one child output per line, no Input.
+        results = next(k for k in keys if k.endswith("/SUCCEEDED_0.json"))
+        lines = t.client("s3").get_object(Bucket="pghydrate-twin-state", Key=results)["Body"].read().splitlines()
+        assert len(lines) == len(items)
+        assert all("warmed_bytes" in json.loads(line) and "Input" not in json.loads(line) for line in lines)
 
 
 def largest_payload(history) -> tuple:

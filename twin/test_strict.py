@@ -114,3 +114,39 @@ def test_list_executions_lags_behind_start_execution(twin):
     time.sleep(LIST_LAG + 0.5)
     assert arn in listed()
     twin.wait(arn)
+
+
+def distributed(writer_config=None) -> dict:
+    writer = {"Resource": "arn:aws:states:::s3:putObject", "Parameters": {"Bucket": "pghydrate-twin-state",
+                                                                           "Prefix": f"strict/{writer_config}"}}
+    if writer_config:
+        writer["WriterConfig"] = writer_config
+    return {"StartAt": "M", "States": {"M": {
+        "Type": "Map", "ItemsPath": "$.items", "ItemSelector": {"item.$": "$$.Map.Item.Value", "big": PIECE[:1000]},
+        "ItemProcessor": {"ProcessorConfig": {"Mode": "DISTRIBUTED", "ExecutionType": "STANDARD"}, "StartAt": "P",
+                          "States": {"P": {"Type": "Pass", "Parameters": {"out.$": "$.item"}, "End": True}}},
+        "ResultWriter": writer, "End": True}}}
+
+
+def result_files(twin, output: str) -> dict:
+    s3 = twin.client("s3")
+    details = json.loads(output)["ResultWriterDetails"]
+    manifest = json.loads(s3.get_object(Bucket=details["Bucket"], Key=details["Key"])["Body"].read())
+    return {f["Key"].rsplit("/", 1)[-1]: s3.get_object(Bucket=details["Bucket"], Key=f["Key"])["Body"].read().decode()
+            for files in manifest["ResultFiles"].values() for f in files}
+
+
+def test_distributed_map_results_are_written_in_aws_format(twin):
+    # Without WriterConfig, AWS writes each child's metadata with its Input and Output (JSON strings):
+    # a reader that loads the file whole holds every child's input too.
+    d, _ = run_definition(twin, "strict-results-none", distributed(), {"items": [1, 2, 3]})
+    assert d["status"] == "SUCCEEDED", d
+    entries = json.loads(result_files(twin, d["output"])["SUCCEEDED_0.json"])
+    assert [json.loads(e["Output"]) for e in entries] == [{"out": 1}, {"out": 2}, {"out": 3}]
+    assert all(json.loads(e["Input"])["big"] == PIECE[:1000] and e["Status"] == "SUCCEEDED" for e in entries)
+    # COMPACT and JSON Lines, as the hydration definition asks: the outputs only, one per line.
+    d, _ = run_definition(twin, "strict-results-compact",
+                          distributed({"Transformation": "COMPACT", "OutputType": "JSONL"}), {"items": [1, 2, 3]})
+    assert d["status"] == "SUCCEEDED", d
+    text = result_files(twin, d["output"])["SUCCEEDED_0.json"]
+    assert [json.loads(line) for line in text.splitlines()] == [{"out": 1}, {"out": 2}, {"out": 3}]

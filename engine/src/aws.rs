@@ -136,6 +136,35 @@ pub async fn get_bytes(s3: &aws_sdk_s3::Client, bucket: &str, key: &str) -> Resu
     Ok(data.into_bytes().to_vec())
 }
 
+/// Calls `f` with each non-empty line of an S3 object, read as it arrives: memory stays at one line
+/// however large the object (a Distributed Map's result files in JSON Lines).
+pub async fn for_each_line(
+    s3: &aws_sdk_s3::Client,
+    bucket: &str,
+    key: &str,
+    mut f: impl FnMut(&str) -> Result<()>,
+) -> Result<()> {
+    use tokio::io::AsyncBufReadExt;
+    let out = s3
+        .get_object()
+        .bucket(bucket)
+        .key(key)
+        .send()
+        .await
+        .map_err(|e| sdk_error(&format!("GetObject s3://{bucket}/{key}"), e))?;
+    let mut lines = tokio::io::BufReader::new(out.body.into_async_read()).lines();
+    while let Some(line) = lines
+        .next_line()
+        .await
+        .map_err(|e| Error::AwsUnreachable { context: format!("reading s3://{bucket}/{key}"), reason: e.to_string() })?
+    {
+        if !line.trim().is_empty() {
+            f(&line)?;
+        }
+    }
+    Ok(())
+}
+
 /// An execution of the workflow as `pghydrate start --wait` follows it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExecutionView {

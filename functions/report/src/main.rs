@@ -63,31 +63,71 @@ struct Summary {
     instances: Vec<InstanceReport>,
 }
 
-/// Item summaries from an inline Map (an array) or from a Distributed Map's result files in S3.
-async fn item_summaries(aws: &Aws, warmed: &Value) -> Result<Vec<ItemSummary>, Error> {
+/// One child's result as the ResultWriter wrote it: its output itself (Transformation COMPACT, what the
+/// definition asks for), or AWS's default shape, metadata with the output as a JSON string (NONE, and
+/// always for a failed child).
+fn child_result(v: Value, key: &str) -> Result<ChildResult, Error> {
+    let bad = |e: serde_json::Error| Error::InvalidInput(format!("map result in {key}: {e}"));
+    match v.get("Status").and_then(Value::as_str) {
+        Some("SUCCEEDED") => {
+            let output = v.get("Output").and_then(Value::as_str).unwrap_or("null");
+            Ok(ChildResult::Done(serde_json::from_str(output).map_err(bad)?))
+        }
+        Some(status) => Ok(ChildResult::Failed(format!(
+            "a warm call's child execution ended {status}: {} {}",
+            v.get("Error").and_then(Value::as_str).unwrap_or(""),
+            v.get("Cause").and_then(Value::as_str).unwrap_or("")
+        ))),
+        None => Ok(ChildResult::Done(serde_json::from_value(v).map_err(bad)?)),
+    }
+}
+
+enum ChildResult {
+    Done(ItemSummary),
+    Failed(String),
+}
+
+/// Item summaries from an inline Map (an array) or from a Distributed Map's result files in S3, read a
+/// line at a time (JSON Lines), so that the memory used does not grow with the number of work items;
+/// failed children are returned as reasons.
+async fn item_summaries(aws: &Aws, warmed: &Value) -> Result<(Vec<ItemSummary>, Vec<String>), Error> {
     if let Some(list) = warmed.as_array() {
-        return serde_json::from_value(Value::Array(list.clone()))
-            .map_err(|e| Error::InvalidInput(format!("warm results: {e}")));
+        let items = serde_json::from_value(Value::Array(list.clone()))
+            .map_err(|e| Error::InvalidInput(format!("warm results: {e}")))?;
+        return Ok((items, vec![]));
     }
     let Some(details) = warmed.get("distributed_results") else {
-        return Ok(vec![]);
+        return Ok((vec![], vec![]));
     };
     let bucket = details["Bucket"].as_str().unwrap_or_default();
     let manifest_key = details["Key"].as_str().unwrap_or_default();
     let manifest: Value = serde_json::from_slice(&pghydrate::aws::get_bytes(&aws.s3, bucket, manifest_key).await?)
         .map_err(|e| Error::InvalidInput(format!("map manifest: {e}")))?;
-    let mut out = Vec::new();
-    for file in manifest["ResultFiles"]["SUCCEEDED"].as_array().into_iter().flatten() {
-        let key = file["Key"].as_str().unwrap_or_default();
-        let results: Vec<Value> = serde_json::from_slice(&pghydrate::aws::get_bytes(&aws.s3, bucket, key).await?)
-            .map_err(|e| Error::InvalidInput(format!("map results {key}: {e}")))?;
-        for r in results {
-            let output: ItemSummary = serde_json::from_str(r["Output"].as_str().unwrap_or("null"))
-                .map_err(|e| Error::InvalidInput(format!("map result in {key}: {e}")))?;
-            out.push(output);
+    let mut items = Vec::new();
+    let mut failed = Vec::new();
+    for status in ["SUCCEEDED", "FAILED", "PENDING"] {
+        for file in manifest["ResultFiles"][status].as_array().into_iter().flatten() {
+            let key = file["Key"].as_str().unwrap_or_default();
+            pghydrate::aws::for_each_line(&aws.s3, bucket, key, |line| {
+                let v: Value =
+                    serde_json::from_str(line).map_err(|e| Error::InvalidInput(format!("map results {key}: {e}")))?;
+                // OutputType JSON: the whole file is one array.
+                let entries = match v {
+                    Value::Array(list) => list,
+                    one => vec![one],
+                };
+                for entry in entries {
+                    match child_result(entry, key)? {
+                        ChildResult::Done(item) => items.push(item),
+                        ChildResult::Failed(why) => failed.push(why),
+                    }
+                }
+                Ok(())
+            })
+            .await?;
         }
     }
-    Ok(out)
+    Ok((items, failed))
 }
 
 async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> {
@@ -110,7 +150,7 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
     }
     // Null on the storage-only path (no plan, no maintenance).
     let plan: Option<PlanSummary> = serde_json::from_value(v["plan"]["summary"].clone()).ok();
-    let items = item_summaries(aws, &v["warmed"]).await?;
+    let (items, failed_children) = item_summaries(aws, &v["warmed"]).await?;
     let warmed: u64 = items.iter().map(|i| i.warmed_bytes).sum();
     let vanished: u64 = items.iter().map(|i| i.vanished_bytes).sum();
     let skipped_run: u64 = items.iter().map(|i| i.skipped_bytes + i.pending_bytes).sum();
@@ -122,6 +162,8 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
         skipped_count += i.skipped_forks.max(i.skipped.len());
         skipped.extend(i.skipped.iter().map(|s| format!("{}: {s}", i.database)));
     }
+    skipped_count += failed_children.len();
+    skipped.extend(failed_children);
     skipped.truncate(LISTED_SKIPS);
     let live = total.saturating_sub(vanished);
     let coverage = if live == 0 { 1.0 } else { warmed as f64 / live as f64 };
@@ -243,6 +285,24 @@ mod tests {
     fn run() -> RunConfig {
         let trigger = pghydrate::events::parse_input(&json!({"instance": "db1"}), None, None).unwrap();
         RunConfig::new("exec", trigger, &pghydrate::workflow::Defaults::from_env(|_| None).unwrap())
+    }
+
+    #[test]
+    fn child_results_are_read_in_every_shape_aws_writes() {
+        let summary = json!({"id": 3, "database": "app", "warmed_bytes": 8192, "vanished_bytes": 0,
+                             "skipped_bytes": 0, "pending_bytes": 0, "calls": 1, "skipped": []});
+        // COMPACT: the output itself.
+        let ChildResult::Done(a) = child_result(summary.clone(), "k").unwrap() else { panic!() };
+        // NONE: metadata, Input and Output as JSON strings.
+        let none = json!({"Status": "SUCCEEDED", "Input": "{\"item\": {}}", "Output": summary.to_string(),
+                          "ExecutionArn": "arn", "Name": "00000003"});
+        let ChildResult::Done(b) = child_result(none, "k").unwrap() else { panic!() };
+        assert_eq!((a.id, a.warmed_bytes), (3, 8192));
+        assert_eq!(a, b);
+        let failed = json!({"Status": "FAILED", "Error": "States.Timeout", "Cause": "took too long"});
+        let ChildResult::Failed(why) = child_result(failed, "k").unwrap() else { panic!() };
+        assert!(why.contains("FAILED") && why.contains("States.Timeout"), "{why}");
+        assert!(child_result(json!({"not": "a summary"}), "k").is_err(), "a malformed result is an error, not a zero");
     }
 
     /// A pipeline gates on the top-level coverage: it must never read 1.0 when an instance failed or
