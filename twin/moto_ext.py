@@ -18,7 +18,9 @@ What moto lacks that the workflow needs, and nothing else:
   $$.Execution.Name). EventBridge and the console start executions without a name.
 - A control API for tests (POST /instance, POST /lambda-fault, GET /describes, GET /deliveries), on its own
   port.
-Blue/Green deployments (Create/DescribeBlueGreenDeployments) are moto's own.
+Blue/Green deployments (Create/DescribeBlueGreenDeployments) are moto's own, with one addition: as on
+AWS, the green environment has a green copy of each of the blue instance's read replicas, and
+SwitchoverDetails lists every blue/green pair (moto makes the primary's only).
 
 And where moto is kinder than AWS, the twin is made as strict as AWS documents (each rule has a test in
 twin/test_strict.py):
@@ -159,13 +161,53 @@ def _distributed_eval_input(self, env_frame):
 
 DistributedItemProcessorWorker._eval_input = _distributed_eval_input
 
+# Each child execution of a Distributed Map has a history of its own, as on AWS: its own 25,000 events,
+# kept apart from the parent's (moto gives all children of a Map Run one history and drops it). Tests
+# read them with GET /map-run?arn=<Map Run ARN> (Twin.history follows them).
+from moto.stepfunctions.parser.asl.eval.event.event_manager import EventManager
+
+CHILD_HISTORIES: dict = {}  # Map Run ARN -> [(child index, EventManager)]
+_orig_distributed_eval_job = DistributedItemProcessorWorker._eval_job
+
+
+def _distributed_eval_job(self, env, job):
+    manager = EventManager()
+    env.event_manager = manager
+    with LOCK:
+        CHILD_HISTORIES.setdefault(self._map_run_record.map_run_arn, []).append((job.job_index, manager))
+    return _orig_distributed_eval_job(self, env, job)
+
+
+DistributedItemProcessorWorker._eval_job = _distributed_eval_job
+
+
+# The Map Run each thread started last. moto's pool of Map Runs is shared by every frame of an execution,
+# and its ResultWriter takes the last one added: with Distributed Maps running in several child
+# executions at once (PerInstance, then WarmDistributed in each), that is another instance's. A Map
+# state adds its run and writes its results in the same thread; its children run in other threads.
+MAP_RUN_OF_THREAD = threading.local()
+
+from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.itemprocessor.map_run_record import (
+    MapRunRecordPoolManager,
+)
+
+_orig_pool_add = MapRunRecordPoolManager.add
+
+
+def _pool_add(self, map_run_record):
+    MAP_RUN_OF_THREAD.run = map_run_record
+    return _orig_pool_add(self, map_run_record)
+
+
+MapRunRecordPoolManager.add = _pool_add
+
 
 def _put_results(env, resource_runtime_part, state_credentials):
     import datetime
     parameters = env.stack.pop()
     results = env.stack.pop()
     s3 = resource_eval_s3.ResourceEvalS3._get_s3_client(resource_runtime_part, state_credentials)
-    run = env.map_run_record_pool_manager.get_all().pop()
+    run = getattr(MAP_RUN_OF_THREAD, "run", None) or env.map_run_record_pool_manager.get_all().pop()
     uuid = run.map_run_arn.split(":")[-1]
     config = WRITER_CONFIGS.get((parameters.get("Bucket"), parameters.get("Prefix", "")), {})
     transformation = config.get("Transformation", "NONE")
@@ -433,6 +475,19 @@ class Control(BaseHTTPRequestHandler):
         return self._reply(404, {"error": self.path})
 
     def do_GET(self):
+        if self.path.startswith("/map-run?"):
+            from urllib.parse import parse_qs, urlparse
+            arn = parse_qs(urlparse(self.path).query)["arn"][0]
+            with LOCK:
+                children = sorted(CHILD_HISTORIES.get(arn, []), key=lambda c: c[0])
+            body = [{"index": i, "events": m.get_event_history()} for i, m in children]
+            data = json.dumps({"children": body}, default=str).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         if self.path == "/describes":
             with LOCK:
                 return self._reply(200, {"describes": DESCRIBES, "scripts_left": {k: len(v["script"]) for k, v in INSTANCES.items()}})
@@ -559,3 +614,35 @@ def _delete_object_atomic(self):
 
 S3Response.put_object = _put_object_atomic
 S3Response.delete_object = _delete_object_atomic
+
+
+from moto.rds.models import BlueGreenDeployment, SwitchoverDetails
+
+_orig_bg_init = BlueGreenDeployment.__init__
+_orig_bg_set_status = BlueGreenDeployment.set_status
+
+
+def _bg_init(self, backend, blue_green_deployment_name, source, tags=None, **kwargs):
+    _orig_bg_init(self, backend, blue_green_deployment_name, source, tags, **kwargs)
+    blue = self._get_valid_instance_or_raise(source)
+    members = [(source, self.target)]
+    for replica_id in list(getattr(blue, "read_replica_db_instance_identifiers", [])):
+        replica = backend.find_db_from_id(replica_id)
+        self.source = replica.db_instance_arn
+        try:
+            members.append((replica.db_instance_arn,
+                            self._create_green_instance(None, None, None, None, None, None, None, None)))
+        finally:
+            self.source = source
+    self.members = members
+    self.set_status(self.SupportedStates[self.status])
+
+
+def _bg_set_status(self, value):
+    _orig_bg_set_status(self, value)
+    if getattr(self, "members", None):
+        self.switchover_details = [SwitchoverDetails(s, t, self.status) for s, t in self.members]
+
+
+BlueGreenDeployment.__init__ = _bg_init
+BlueGreenDeployment.set_status = _bg_set_status

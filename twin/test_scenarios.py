@@ -229,6 +229,39 @@ def test_blue_green_event_hydrates_the_green_instance(twin):
     assert out["instances"][0]["coverage"] == 1.0
 
 
+def test_a_blue_green_deployment_with_three_green_instances_hydrates_each_in_a_history_of_its_own(twin):
+    rds = twin.client("rds")
+    twin.register_instance("bg3-blue")
+    for n in (1, 2):
+        rds.create_db_instance_read_replica(DBInstanceIdentifier=f"bg3-replica{n}",
+                                            SourceDBInstanceIdentifier="bg3-blue")
+    blue_arn = rds.describe_db_instances(DBInstanceIdentifier="bg3-blue")["DBInstances"][0]["DBInstanceArn"]
+    bgd = rds.create_blue_green_deployment(BlueGreenDeploymentName="bg3", Source=blue_arn)["BlueGreenDeployment"]
+    greens = sorted(d["TargetMember"].rsplit(":", 1)[-1] for d in rds.describe_blue_green_deployments(
+        BlueGreenDeploymentIdentifier=bgd["BlueGreenDeploymentIdentifier"])["BlueGreenDeployments"][0]["SwitchoverDetails"])
+    assert len(greens) == 3, greens
+    for g in greens:  # each waits for its storage: Initializing, then done
+        twin.register_instance(g, create=False, script=[{"status": "available"}] * 4 + [
+            {"status": "available", "storage": "Initializing", "progress": p} for p in (10, 60)] + [{"status": "available"}] * 40)
+    event = fixture("blue-green-created-0244")
+    event["detail"]["SourceArn"] = event["resources"][0] = (
+        f"arn:aws:rds:us-east-1:123456789012:deployment:{bgd['BlueGreenDeploymentIdentifier']}")
+    arn = twin.start_execution(event)
+    d, history = twin.wait(arn)
+    assert d["status"] == "SUCCEEDED", (d.get("error"), twin.report_of(history))
+    out = json.loads(d["output"])
+    assert sorted(i["instance"] for i in out["instances"]) == greens
+    assert all(i["coverage"] == 1.0 and i["storage"]["state"] == "initialized" for i in out["instances"]), out
+    # Each instance's polls, warm calls and maintenance are in a child execution of its own; the parent's
+    # history does not grow with the number of instances or with how long each waits.
+    parent = twin.history(arn, children=False)
+    assert not [e for e in parent if (e.get("stateEnteredEventDetails") or {}).get("name") == "PollStorage"]
+    children = {e["child"] for e in history[len(parent):] if e.get("mapRunArn") and
+                (e.get("stateEnteredEventDetails") or {}).get("name") == "PollStorage"}
+    assert len(children) == 3, children
+    print(f"\nthree green instances: parent history {len(parent)} events, with children {len(history)}")
+
+
 def test_a_plan_over_the_inline_limit_goes_through_s3_and_a_distributed_map():
     # Tiny work items (one 64-block range each) make the sample plan far larger than 40 items.
     with Twin.start(lambda_timeout=20, margin=5, env={"PGHYDRATE_RANGE_BLOCKS": "64", "PGHYDRATE_ITEM_RANGES": "1"}) as t:
@@ -414,7 +447,7 @@ def test_the_database_restarted_during_the_warm_phase_still_ends_with_full_cover
     arn = t.start_execution({"instance": "restart-db", "include_databases": ["big"], "maintenance": "none"})
     sfn = t.client("stepfunctions")
     end = time.time() + 300
-    while not warm_calls(sfn.get_execution_history(executionArn=arn, maxResults=1000)["events"]):
+    while not warm_calls(t.history(arn)):
         assert time.time() < end, "the warm phase never started"
         time.sleep(0.2)
     time.sleep(1.5)  # sessions are reading ranges now

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -351,15 +352,29 @@ class Twin:
             time.sleep(0.5)
         raise TimeoutError(f"execution {arn} still running after {timeout}s")
 
-    def history(self, arn: str) -> list:
-        """The whole execution history (every page)."""
+    def history(self, arn: str, children: bool = True) -> list:
+        """The whole execution history (every page), followed by the histories of its Distributed Maps'
+        child executions (each event of a child marked with "mapRunArn" and "child"), recursively."""
         sfn, events, token = self.client("stepfunctions"), [], None
         while True:
             page = sfn.get_execution_history(executionArn=arn, maxResults=1000, **({"nextToken": token} if token else {}))
             events += page["events"]
             token = page.get("nextToken")
             if not token:
-                return events
+                break
+        return events + self.child_histories(events) if children else events
+
+    def child_histories(self, events: list) -> list:
+        out = []
+        for e in events:
+            run = (e.get("mapRunStartedEventDetails") or {}).get("mapRunArn")
+            if not run:
+                continue
+            url = f"http://127.0.0.1:{self.control_port}/map-run?" + urllib.parse.urlencode({"arn": run})
+            for child in json.loads(urllib.request.urlopen(url).read())["children"]:
+                marked = [dict(c, mapRunArn=run, child=child["index"]) for c in child["events"]]
+                out += marked + self.child_histories(marked)
+        return out
 
     def run(self, execution_input, timeout: float = 600):
         return self.wait(self.start_execution(execution_input), timeout)

@@ -119,7 +119,10 @@ impl DbConfig {
             Credentials::Secret { arn } => arn.clone(),
             Credentials::ManagedSecret => endpoint.master_secret_arn.clone().ok_or_else(|| {
                 Error::InvalidInput(
-                    "the instance has no RDS-managed master secret: give credentials {\"type\": \"secret\", \"arn\": ...}".into(),
+                    "the instance has no RDS-managed master secret (Blue/Green deployments do not support them, so \
+                     green instances never have one): deploy the stack with SecretArn, or start the run with \
+                     credentials {\"type\": \"secret\", \"arn\": ...} or {\"type\": \"iam\", \"user\": ...}"
+                        .into(),
                 )
             })?,
             Credentials::Iam { user } => {
