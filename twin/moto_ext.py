@@ -31,6 +31,7 @@ twin/test_strict.py):
   (States.Runtime).
 - A Lambda API error is named Lambda.<ExceptionName> (moto names every one "Exception"), so that Retry
   and Catch see what they would see on AWS.
+- An inline Map runs at most 40 iterations at once, whatever its MaxConcurrency (moto ran them all).
 - ListExecutions is eventually consistent (AWS: "results are best effort and may not reflect very
   recent updates"): an execution appears in it LIST_LAG seconds after it started, so that nothing that
   relies on it to see a simultaneous start can pass here.
@@ -38,7 +39,10 @@ twin/test_strict.py):
   writes, so two simultaneous writers could both succeed.
 - Lambda itself, in the shim: a request or response over 6 MB (RequestEntityTooLargeException;
   Function.ResponseSizeTooLarge), and on request an inactive function (ResourceNotReadyException) or
-  throttling (TooManyRequestsException) for the next N invokes (POST /lambda-fault).
+  throttling (TooManyRequestsException) for the next N invokes (POST /lambda-fault); a function that
+  runs past its timeout (PGHYDRATE_TWIN_LAMBDA_TIMEOUT seconds) fails as Sandbox.Timedout, as Lambda's
+  does (the twin stops waiting for it; unlike Lambda, it cannot freeze the process, which runs on), and
+  the fault "timedout" makes the next N invokes fail so at once.
 """
 import json
 import os
@@ -62,6 +66,7 @@ import moto.stepfunctions.parser.asl.component.state.exec.state_task.lambda_eval
 LOCK = threading.Lock()
 # function name -> [fault, invokes left]: "inactive", "throttled"
 LAMBDA_FAULTS: dict = {}
+LAMBDA_TIMEOUT = float(os.environ.get("PGHYDRATE_TWIN_LAMBDA_TIMEOUT", "3600"))
 LAMBDA_PAYLOAD_LIMIT = 6 * 1024 * 1024  # bytes, request and response (synchronous invoke)
 STATE_LIMIT = 256 * 1024
 HISTORY_LIMIT = 25_000
@@ -542,6 +547,10 @@ class LambdaShim(BaseHTTPRequestHandler):
                                f"The function {name} is inactive and is being restored (the twin's fault injection).")
         if fault and fault[0] == "throttled":
             return self._error(429, "TooManyRequestsException", "Rate Exceeded. (the twin's fault injection)")
+        timed_out = json.dumps({"errorType": "Sandbox.Timedout",
+                                "errorMessage": f"RequestId: twin Error: Task timed out after {LAMBDA_TIMEOUT:.2f} seconds"}).encode()
+        if fault and fault[0] == "timedout":
+            return self._reply(timed_out, "Unhandled")
         if len(payload) > LAMBDA_PAYLOAD_LIMIT:
             return self._error(413, "RequestEntityTooLargeException",
                                f"Request must be smaller than {LAMBDA_PAYLOAD_LIMIT} bytes for the InvokeFunction operation")
@@ -549,11 +558,15 @@ class LambdaShim(BaseHTTPRequestHandler):
         req = urllib.request.Request(target, data=payload, method="POST", headers={"Content-Type": "application/json"})
         function_error = None
         try:
-            with urllib.request.urlopen(req, timeout=3600) as resp:
+            with urllib.request.urlopen(req, timeout=LAMBDA_TIMEOUT) as resp:
                 body = resp.read()
         except urllib.error.HTTPError as e:
             body = e.read()
             function_error = "Unhandled"
+        except (TimeoutError, urllib.error.URLError) as e:
+            if not isinstance(e, TimeoutError) and not isinstance(getattr(e, "reason", None), TimeoutError):
+                raise
+            return self._reply(timed_out, "Unhandled")
         if len(body) > LAMBDA_PAYLOAD_LIMIT:
             body = json.dumps({"errorType": "Function.ResponseSizeTooLarge",
                                "errorMessage": f"Response payload size ({len(body)} bytes) exceeded maximum allowed "
@@ -646,3 +659,25 @@ def _bg_set_status(self, value):
 
 BlueGreenDeployment.__init__ = _bg_init
 BlueGreenDeployment.set_status = _bg_set_status
+
+
+from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.inline_iteration_component import (
+    InlineIterationComponent,
+)
+from moto.stepfunctions.parser.asl.component.state.exec.state_map.iteration.distributed_iteration_component import (
+    DistributedIterationComponent,
+)
+
+INLINE_MAP_CONCURRENCY = 40
+_orig_inline_eval_body = InlineIterationComponent._eval_body
+
+
+def _inline_eval_body(self, env):
+    if not isinstance(self, DistributedIterationComponent):
+        eval_input = env.stack[-1]
+        if not eval_input.max_concurrency or eval_input.max_concurrency > INLINE_MAP_CONCURRENCY:
+            eval_input.max_concurrency = INLINE_MAP_CONCURRENCY
+    return _orig_inline_eval_body(self, env)
+
+
+InlineIterationComponent._eval_body = _inline_eval_body

@@ -322,19 +322,37 @@ def test_a_thousand_tables_hydrate_with_every_state_far_below_256_kib(twin):
     print(f"measured: 1,000 tables: {len(history)} history events; largest payload {size} bytes ({where})")
 
 
+def test_storage_optimization_is_usable_and_a_restore_error_ends_the_wait_at_once(twin):
+    # A restore that changes storage goes on to storage-optimization, which can last a day: the instance
+    # is usable, and is hydrated while it optimizes.
+    twin.register_instance("optimizing-db", script=[{"status": "storage-optimization"}] * 40)
+    d, history = twin.run({"instance": "optimizing-db", "include_databases": ["app"], "maintenance": "none"})
+    assert d["status"] == "SUCCEEDED", (d.get("error"), twin.report_of(history))
+    assert json.loads(d["output"])["instances"][0]["coverage"] == 1.0
+    # A failed restore does not keep the run waiting for hours.
+    twin.register_instance("restore-error-db", script=[{"status": "creating"}] * 2 + [{"status": "restore-error"}] * 40)
+    d, history = twin.run({"instance": "restore-error-db"}, timeout=120)
+    assert d["status"] == "FAILED" and d["error"] == "HydrationIncomplete", d
+    inst = twin.report_of(history)["instances"][0]
+    assert inst["outcome"] == "failed" and "restore-error" in json.dumps(inst["error"]), inst
+    assert twin.describes()["describes"]["restore-error-db"] <= 6, "it kept polling a failed restore"
+
+
 def test_an_inactive_or_throttled_function_is_retried_not_fatal(twin):
     """Plan, Warm and Maintain run in a VPC and are invoked rarely: an idle one goes Inactive, and its
     next invokes fail with ResourceNotReadyException until it is active again. Lambda also throttles.
-    The run retries both and completes."""
+    A call killed at its timeout is retried too. The run retries them all and completes."""
     twin.register_instance("idle-functions", script=[{"status": "available"}] * 10)
     twin.lambda_fault("plan", "inactive", count=2)
     twin.lambda_fault("warm", "throttled", count=1)
+    twin.lambda_fault("describe", "timedout", count=1)
     twin.lambda_fault("maintain", "inactive", count=1)
     d, history = twin.run({"instance": "idle-functions", "include_databases": ["app"]})
     assert d["status"] == "SUCCEEDED", (d.get("error"), d.get("cause"), twin.report_of(history))
     assert json.loads(d["output"])["coverage"] == 1.0
     text = history_text(history)
     assert "Lambda.ResourceNotReadyException" in text and "Lambda.TooManyRequestsException" in text
+    assert "Sandbox.Timedout" in text, "a call killed at its timeout is retried"
 
 
 def test_a_hostile_catalog_runs_nothing_through_the_lambdas():

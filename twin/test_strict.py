@@ -150,3 +150,17 @@ def test_distributed_map_results_are_written_in_aws_format(twin):
     assert d["status"] == "SUCCEEDED", d
     text = result_files(twin, d["output"])["SUCCEEDED_0.json"]
     assert [json.loads(line) for line in text.splitlines()] == [{"out": 1}, {"out": 2}, {"out": 3}]
+
+
+def test_an_inline_map_runs_at_most_40_iterations_at_once(twin):
+    definition = {"StartAt": "M", "States": {"M": {
+        "Type": "Map", "ItemsPath": "$.items", "MaxConcurrency": 0,
+        "ItemProcessor": {"ProcessorConfig": {"Mode": "INLINE"}, "StartAt": "W",
+                          "States": {"W": {"Type": "Wait", "Seconds": 2, "End": True}}},
+        "End": True}}}
+    d, history = run_definition(twin, "strict-inline-40", definition, {"items": list(range(50))})
+    assert d["status"] == "SUCCEEDED", d
+    types = [e["type"] for e in history]
+    first_done = types.index("MapIterationSucceeded")
+    assert types[:first_done].count("MapIterationStarted") == 40, "more than 40 iterations ran at once"
+    assert types.count("MapIterationSucceeded") == 50

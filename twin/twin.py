@@ -6,6 +6,7 @@ executing the real ASL definition, extended by moto_ext.py), and the real Lambda
         twin.register_instance("orders-restored", script=[...])
         out = twin.run({"instance": "orders-restored"})
 """
+import datetime
 import json
 import os
 import re
@@ -189,6 +190,7 @@ class Twin:
         self.workdir = workdir
         self.mode = mode
         self.extra_env = env or {}
+        self.lambda_timeout = lambda_timeout
         self.procs: list[subprocess.Popen] = []
         self.pg = Postgres(workdir, pg_conf)
         self.moto_port, self.control_port, self.shim_port, self.watch_port = (free_port() for _ in range(4))
@@ -207,7 +209,9 @@ class Twin:
         return p
 
     def _start_moto(self):
-        env = dict(os.environ, PGHYDRATE_TWIN_WATCH_URL=f"http://127.0.0.1:{self.watch_port}")
+        # Lambda's timeout, with 10 s for the emulator's own start of a binary on its first invoke.
+        env = dict(os.environ, PGHYDRATE_TWIN_WATCH_URL=f"http://127.0.0.1:{self.watch_port}",
+                   PGHYDRATE_TWIN_LAMBDA_TIMEOUT=str(self.lambda_timeout + 10))
         self._spawn("moto", [sys.executable, str(ROOT / "twin" / "server.py"), str(self.moto_port),
                              str(self.control_port), str(self.shim_port)], env=env)
         wait_http(f"{self.endpoint}/moto-api/")
@@ -296,7 +300,8 @@ class Twin:
 
     def lambda_fault(self, function: str, fault: str, count: int = 1):
         """The next `count` invokes of `function` fail as on AWS: fault "inactive" (an idle VPC function:
-        ResourceNotReadyException) or "throttled" (TooManyRequestsException)."""
+        ResourceNotReadyException), "throttled" (TooManyRequestsException) or "timedout" (killed at its
+        timeout: Sandbox.Timedout)."""
         req = urllib.request.Request(f"http://127.0.0.1:{self.control_port}/lambda-fault", method="POST",
                                      data=json.dumps({"function": function, "fault": fault, "count": count}).encode())
         urllib.request.urlopen(req)
@@ -373,6 +378,9 @@ class Twin:
             url = f"http://127.0.0.1:{self.control_port}/map-run?" + urllib.parse.urlencode({"arn": run})
             for child in json.loads(urllib.request.urlopen(url).read())["children"]:
                 marked = [dict(c, mapRunArn=run, child=child["index"]) for c in child["events"]]
+                for c in marked:  # as boto3 gives the parent's: datetimes
+                    if isinstance(c.get("timestamp"), str):
+                        c["timestamp"] = datetime.datetime.fromisoformat(c["timestamp"])
                 out += marked + self.child_histories(marked)
         return out
 
