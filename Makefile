@@ -59,9 +59,9 @@ bench-modes:
 
 ## The local twin: the real state machine, run by moto's ASL interpreter, drives the real Lambda
 ## binaries (cargo lambda watch) against a real PostgreSQL (twin/test_scenarios.py), and the scale
-## scenarios up to 100,000 relations (twin/test_scale.py; `make test` runs them up to 20,000).
+## scenarios at 20,000 and 100,000 relations (twin/test_scale.py).
 e2e: setup
-	PGHYDRATE_TWIN_SCALE=full bash twin/up.sh
+	bash twin/up.sh
 
 ## The twin left running (sample database, instance "orders-restored"); prints the commands to try it.
 twin-up: setup
