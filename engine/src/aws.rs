@@ -120,14 +120,21 @@ pub async fn put_json(s3: &aws_sdk_s3::Client, bucket: &str, key: &str, body: Ve
     Ok(())
 }
 
-pub async fn get_bytes(s3: &aws_sdk_s3::Client, bucket: &str, key: &str) -> Result<Vec<u8>> {
-    let out = s3
-        .get_object()
+async fn get_object(
+    s3: &aws_sdk_s3::Client,
+    bucket: &str,
+    key: &str,
+) -> Result<aws_sdk_s3::operation::get_object::GetObjectOutput> {
+    s3.get_object()
         .bucket(bucket)
         .key(key)
         .send()
         .await
-        .map_err(|e| sdk_error(&format!("GetObject s3://{bucket}/{key}"), e))?;
+        .map_err(|e| sdk_error(&format!("GetObject s3://{bucket}/{key}"), e))
+}
+
+pub async fn get_bytes(s3: &aws_sdk_s3::Client, bucket: &str, key: &str) -> Result<Vec<u8>> {
+    let out = get_object(s3, bucket, key).await?;
     let data = out.body.collect().await.map_err(|e| Error::Aws {
         context: format!("reading s3://{bucket}/{key}"),
         reason: e.to_string(),
@@ -145,13 +152,7 @@ pub async fn for_each_line(
     mut f: impl FnMut(&str) -> Result<()>,
 ) -> Result<()> {
     use tokio::io::AsyncBufReadExt;
-    let out = s3
-        .get_object()
-        .bucket(bucket)
-        .key(key)
-        .send()
-        .await
-        .map_err(|e| sdk_error(&format!("GetObject s3://{bucket}/{key}"), e))?;
+    let out = get_object(s3, bucket, key).await?;
     let mut lines = tokio::io::BufReader::new(out.body.into_async_read()).lines();
     while let Some(line) = lines
         .next_line()
