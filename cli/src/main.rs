@@ -77,14 +77,15 @@ enum Command {
     /// Start the deployed AWS workflow for one instance (and with --wait, follow it to the end with
     /// the same exit codes as `run`).
     Start(StartArgs),
-    /// Continue a run that stopped at its time limit, from its continuation file.
+    /// Continue a run that stopped (time limit, Ctrl-C, an unreachable database) from its continuation
+    /// file. The run's sessions, mode and maintenance carry over unless given again here.
     Resume {
-        /// The continuation file written by `run --time-limit`.
+        /// The continuation file written by `run`.
         continuation: PathBuf,
         #[command(flatten)]
         conn: ConnArgs,
         #[command(flatten)]
-        warm: WarmArgs,
+        warm: ResumeArgs,
         #[command(flatten)]
         timeouts: TimeoutArgs,
         #[command(flatten)]
@@ -176,7 +177,8 @@ struct WarmArgs {
     /// Parallel sessions (capped at half the server's free connection slots).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
     sessions: u32,
-    /// pg_prewarm mode: auto picks per server version (read before 17, buffer from 17).
+    /// pg_prewarm mode. auto: buffer on 17, and on 18 with io_method io_uring or sync; read elsewhere
+    /// (measured: docs/benchmark.md). prefetch only asks the kernel and is not verified.
     #[arg(long, value_enum, default_value = "auto")]
     mode: ModeArg,
     /// After warming: analyze, vacuum-analyze or none.
@@ -193,6 +195,29 @@ struct WarmArgs {
     #[arg(long, default_value = "2m", value_parser = parse_duration)]
     reconnect_for: Duration,
     /// Upper bound of one ANALYZE / VACUUM statement.
+    #[arg(long, default_value = "1h", value_parser = parse_duration)]
+    maintenance_timeout: Duration,
+}
+
+/// `resume`'s options: those of `run` that may change between calls. Unset, each keeps the value the
+/// run started with (the continuation's).
+#[derive(Args)]
+struct ResumeArgs {
+    /// Parallel sessions (default: the run's).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    sessions: Option<u32>,
+    /// pg_prewarm mode (default: the run's).
+    #[arg(long, value_enum)]
+    mode: Option<ModeArg>,
+    /// After warming: analyze, vacuum-analyze or none (default: the run's).
+    #[arg(long, value_enum)]
+    maintenance: Option<MaintenanceArg>,
+    #[arg(long, value_parser = parse_duration)]
+    time_limit: Option<Duration>,
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    margin: Duration,
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    reconnect_for: Duration,
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     maintenance_timeout: Duration,
 }
@@ -357,13 +382,39 @@ fn run_options(w: &WarmArgs, t: &TimeoutArgs, started: Instant) -> RunOptions {
             deadline: w.time_limit.map(|t| started + t),
             margin: w.margin,
             reconnect_for: w.reconnect_for,
+            stop: Some(Arc::new(std::sync::atomic::AtomicBool::new(false))),
+            before_range: None,
         },
-        maintenance: match w.maintenance {
-            MaintenanceArg::Analyze => Maintenance::Analyze,
-            MaintenanceArg::VacuumAnalyze => Maintenance::VacuumAnalyze,
-            MaintenanceArg::None => Maintenance::None,
-        },
+        maintenance: maintenance_of(w.maintenance),
         maintenance_timeout: w.maintenance_timeout,
+    }
+}
+
+fn check_time_limit(limit: Option<Duration>, margin: Duration) -> pghydrate::Result<()> {
+    match limit {
+        Some(t) if t <= margin => Err(Error::InvalidInput(format!(
+            "--time-limit {} must be longer than --margin {}",
+            humantime::format_duration(t),
+            humantime::format_duration(margin)
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn mode_of(m: ModeArg, server: &pghydrate::plan::ServerInfo) -> Mode {
+    match m {
+        ModeArg::Auto => Mode::auto(server),
+        ModeArg::Read => Mode::Read,
+        ModeArg::Buffer => Mode::Buffer,
+        ModeArg::Prefetch => Mode::Prefetch,
+    }
+}
+
+fn maintenance_of(m: MaintenanceArg) -> Maintenance {
+    match m {
+        MaintenanceArg::Analyze => Maintenance::Analyze,
+        MaintenanceArg::VacuumAnalyze => Maintenance::VacuumAnalyze,
+        MaintenanceArg::None => Maintenance::None,
     }
 }
 
@@ -382,23 +433,13 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
         }
         Command::Run { conn, plan, warm, timeouts, out } => {
             let spec = spec_of(&conn, &timeouts)?;
-            if let Some(t) = warm.time_limit {
-                if t <= warm.margin {
-                    return Err(Error::InvalidInput(format!(
-                        "--time-limit {} must be longer than --margin {}",
-                        humantime::format_duration(t),
-                        humantime::format_duration(warm.margin)
-                    )));
-                }
-            }
+            check_time_limit(warm.time_limit, warm.margin)?;
             let opts = run_options(&warm, &timeouts, started);
+            // From here on, a signal stops the run with a continuation (after planning, if it comes
+            // during planning: then the continuation holds the whole plan).
+            opts.warm.stop.clone().map(watch_signals);
             let plan = make_plan(&spec, &plan_options(&plan, &timeouts, false)).await?;
-            let mode = match warm.mode {
-                ModeArg::Auto => Mode::auto(&plan.server),
-                ModeArg::Read => Mode::Read,
-                ModeArg::Buffer => Mode::Buffer,
-                ModeArg::Prefetch => Mode::Prefetch,
-            };
+            let mode = mode_of(warm.mode, &plan.server);
             let (sessions, warning) = effective_sessions(warm.sessions, &plan.server);
             if let Some(w) = warning {
                 tracing::warn!("{w}");
@@ -414,7 +455,47 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
                 source: e,
             })?;
             let mut state = RunState::from_json(&text)?;
-            let opts = run_options(&warm, &timeouts, started);
+            check_time_limit(warm.time_limit, warm.margin)?;
+            if let Some(n) = warm.sessions {
+                let (n, warning) = effective_sessions(n, &state.plan.server);
+                if let Some(w) = warning {
+                    tracing::warn!("{w}");
+                }
+                state.sessions = n;
+            }
+            if let Some(m) = warm.mode {
+                state.mode = mode_of(m, &state.plan.server);
+            }
+            if let Some(m) = warm.maintenance {
+                let m = maintenance_of(m);
+                if m != state.maintenance {
+                    if state.maintenance_pending.is_some() {
+                        return Err(Error::InvalidInput(format!(
+                            "--maintenance {}: this run's maintenance ({}) has already started; resume without --maintenance",
+                            m.statement(),
+                            state.maintenance.statement()
+                        )));
+                    }
+                    state.maintenance = m;
+                }
+            }
+            let as_run = WarmArgs {
+                sessions: state.sessions,
+                mode: ModeArg::Auto,
+                maintenance: MaintenanceArg::None,
+                time_limit: warm.time_limit,
+                margin: warm.margin,
+                reconnect_for: warm.reconnect_for,
+                maintenance_timeout: warm.maintenance_timeout,
+            };
+            let opts = RunOptions { maintenance: state.maintenance, ..run_options(&as_run, &timeouts, started) };
+            opts.warm.stop.clone().map(watch_signals);
+            tracing::info!(
+                sessions = state.sessions,
+                mode = state.mode.as_str(),
+                maintenance = state.maintenance.statement(),
+                "resuming with"
+            );
             tracing::info!(
                 ranges_left = state.pending.len(),
                 bytes_left = state.pending.iter().map(|r| state.plan.bytes(r.blocks())).sum::<u64>(),
@@ -504,8 +585,12 @@ async fn drive(
     let display = progress::start(out.progress, out.progress_interval, counters.clone(), already);
     let result = state.advance(spec, opts, counters).await;
     display.finish().await;
-    result?;
+    if opts.warm.stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed)) {
+        state.interrupted = Some("a signal (Ctrl-C or SIGTERM)".into());
+    }
 
+    // The report and the continuation are written whatever happened: an error in maintenance after a
+    // long warm must not throw away what the warm did.
     let report = report::build(state);
     if let Some(path) = &out.report {
         write_json(path, &report)?;
@@ -514,8 +599,21 @@ async fn drive(
     let continuation = out.save_continuation.as_deref().unwrap_or(default_continuation);
     if !state.finished() {
         write_json(continuation, state)?;
+        let why = if !state.unreachable.is_empty() {
+            format!(
+                "database{} {} could not be reached",
+                if state.unreachable.len() > 1 { "s" } else { "" },
+                state.unreachable.keys().map(|d| format!("{d:?}")).collect::<Vec<_>>().join(", ")
+            )
+        } else if state.interrupted.is_some() {
+            "stopped by a signal".to_string()
+        } else if result.is_err() {
+            "stopped by an error".to_string()
+        } else {
+            "time limit reached".to_string()
+        };
         eprintln!(
-            "pghydrate: time limit reached; {} left. Continue with: pghydrate resume {} [CONNECTION]",
+            "pghydrate: {why}; {} left. Continue with: pghydrate resume {} [CONNECTION]",
             human_bytes(report.pending_bytes),
             continuation.display()
         );
@@ -523,8 +621,36 @@ async fn drive(
         // The continuation this run resumed from is done with.
         let _ = std::fs::remove_file(default_continuation);
     }
+    result?;
     println!("{}", report.summary());
     Ok(report.exit_code)
+}
+
+/// On the first SIGINT (Ctrl-C) or SIGTERM, sets `stop`: no new range or maintenance statement
+/// starts, the statements in flight are cancelled on the server, and the run writes its report and
+/// continuation (exit 5). A second signal ends the process at once (exit 130).
+fn watch_signals(stop: Arc<std::sync::atomic::AtomicBool>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+            tracing::warn!("cannot watch for SIGINT/SIGTERM: a signal will end the run without a continuation");
+            return;
+        };
+        let mut seen = 0;
+        loop {
+            let name = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+            seen += 1;
+            if seen > 1 {
+                eprintln!("pghydrate: {name} again: exiting now, without a continuation");
+                std::process::exit(130);
+            }
+            eprintln!("pghydrate: {name}: stopping; cancelling the statements in flight and writing the continuation (again to exit at once)");
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    })
 }
 
 fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> pghydrate::Result<()> {

@@ -4,7 +4,6 @@
 //! session whose search path is pinned to pg_catalog, so its unqualified functions and operators are
 //! the system's, whatever a database's users created.
 
-use std::collections::HashSet;
 use std::time::Instant;
 
 use tokio_postgres::Client;
@@ -148,7 +147,8 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
 
     let mut databases = Vec::new();
     let mut forks: Vec<ForkEntry> = Vec::new();
-    let mut seen_shared: HashSet<(u32, Fork)> = HashSet::new();
+    // Per fork: Some((oid, fork)) for a shared catalog's fork (pg_authid, pg_database...).
+    let mut shared_keys: Vec<Option<(u32, Fork)>> = Vec::new();
     for d in &dbs {
         let included = if opts.include_databases.is_empty() {
             !DEFAULT_EXCLUDED_DATABASES.contains(&d.name.as_str())
@@ -205,13 +205,24 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
                 continue;
             }
         };
-        let (prewarm_schema, ext_problem, note) = ensure_extension(&client, &d.name, opts, server.in_recovery).await?;
-        let mut db_forks = list_forks(&client, &d.name, &server, opts.lock_attempts.max(1)).await?;
-        db_forks.retain(|f| {
-            // Shared catalogs appear in every database: read them once.
-            !f.kind_is_shared || seen_shared.insert((f.entry.oid, f.entry.fork))
-        });
-        for mut f in db_forks.into_iter().map(|f| f.entry) {
+        // A database whose extension check or listing fails is skipped with its reason, as documented;
+        // the other databases are still planned.
+        let listed = async {
+            let ext = ensure_extension(&client, &d.name, opts, server.in_recovery).await?;
+            let forks = list_forks(&client, &d.name, &server, opts.lock_attempts.max(1)).await?;
+            Ok::<_, Error>((ext, forks))
+        };
+        let ((prewarm_schema, ext_problem, note), db_forks) = match listed.await {
+            Ok(x) => x,
+            Err(e) => {
+                warn!(database = %d.name, error = %e, "database could not be planned; skipped");
+                databases.push(skip(format!("could not be planned: {e}"), true));
+                continue;
+            }
+        };
+        for listed in db_forks {
+            let shared = listed.kind_is_shared;
+            let mut f = listed.entry;
             let (schema, table) = f.table.split_once('.').unwrap_or(("", &f.table));
             let (schema, table) = (schema.to_string(), table.to_string());
             let included = opts.include.is_empty() || opts.include.iter().any(|p| p.matches(&d.name, &schema, &table));
@@ -225,6 +236,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
                     fix: Some("CREATE EXTENSION pg_prewarm (as a superuser or rds_superuser)".into()),
                 });
             }
+            shared_keys.push(shared.then_some((f.oid, f.fork)));
             forks.push(f);
         }
         databases.push(DatabaseEntry {
@@ -235,6 +247,8 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
             counts_against_coverage: true,
         });
     }
+
+    let forks = read_shared_once(forks, &shared_keys);
 
     for p in opts.include.iter().chain(&opts.first) {
         let hit = forks.iter().any(|f| {
@@ -266,6 +280,32 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         "planned"
     );
     Ok(plan)
+}
+
+/// Shared catalogs (pg_authid, pg_database, ...) appear in every database and are read once: from the
+/// first database that can read them (pg_prewarm installed, not excluded, not refused), else listed
+/// once from the first database, with its reason. Deciding this after every database is listed means
+/// a first database without pg_prewarm no longer leaves them unread when another could read them.
+fn read_shared_once(forks: Vec<ForkEntry>, shared_keys: &[Option<(u32, Fork)>]) -> Vec<ForkEntry> {
+    let readable = |f: &ForkEntry| !f.excluded && f.planned_skip.is_none();
+    let mut chosen: std::collections::HashMap<(u32, Fork), usize> = std::collections::HashMap::new();
+    for (i, (f, key)) in forks.iter().zip(shared_keys).enumerate() {
+        if let Some(key) = key {
+            match chosen.get(key) {
+                Some(&j) if readable(&forks[j]) || !readable(f) => {}
+                _ => {
+                    chosen.insert(*key, i);
+                }
+            }
+        }
+    }
+    forks
+        .into_iter()
+        .zip(shared_keys)
+        .enumerate()
+        .filter(|(i, (_, key))| key.is_none_or(|k| chosen.get(&k) == Some(i)))
+        .map(|(_, (f, _))| f)
+        .collect()
 }
 
 /// Returns the schema pg_prewarm's extension lives in (a label: the call itself is resolved again on
@@ -347,6 +387,18 @@ struct Listed {
     kind_is_shared: bool,
 }
 
+/// The fix to propose when the server refused a read that the plan expected to work.
+/// `pg_read_all_data` exists from PostgreSQL 14 on; a work item of the workflow carries no server
+/// version (0), so both are said.
+pub fn read_all_data_fix(server: &ServerInfo) -> String {
+    let role = if server.login_role.is_empty() { "<login role>".to_string() } else { quote_ident(&server.login_role) };
+    match server.major() {
+        0 => format!("GRANT pg_read_all_data TO {role} (PostgreSQL 14 and later; before 14, GRANT SELECT on the table)"),
+        m if m < 14 => format!("GRANT SELECT on the table TO {role}, or run as a superuser (pg_read_all_data exists from PostgreSQL 14 on)"),
+        _ => format!("GRANT pg_read_all_data TO {role}"),
+    }
+}
+
 async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u32) -> Result<Vec<Listed>> {
     // pg_prewarm's privilege check is SELECT on the relation. For an index, current minor releases
     // (seen on 15.18, 16.15, 17.11, 18.6) check the index's table instead; older minors checked the
@@ -354,6 +406,12 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
     // time a refusal falls back to acting as the owner, or is reported as `permission`.
     // TOAST tables have no ACL: owner-only (and so are their indexes, whose table is the TOAST table).
     let set_priv = if server.major() >= 16 { "SET" } else { "MEMBER" };
+    // pg_read_all_data exists from PostgreSQL 14 on; before, only a superuser reads what one owns.
+    let superuser_owned_fix = if server.major() >= 14 {
+        "format('GRANT pg_read_all_data TO %I', current_user)"
+    } else {
+        "'run pghydrate as a superuser (pg_read_all_data exists from PostgreSQL 14 on)'"
+    };
     let sql = format!(
         "WITH rels AS (
            SELECT c.oid, c.relnamespace, c.relname, c.relkind, c.relisshared, c.relowner, c.relpages,
@@ -380,7 +438,7 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
                      WHEN r.relkind = 'i' AND b.relkind <> 't'
                        THEN format('GRANT SELECT ON %I.%I TO %I', bn.nspname, b.relname, current_user)
                      WHEN (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = r.relowner)
-                       THEN format('GRANT pg_read_all_data TO %I', current_user)
+                       THEN {superuser_owned_fix}
                      ELSE format('GRANT %I TO %I', pg_catalog.pg_get_userbyid(r.relowner), current_user) END,
                 r.relpages::int8
            FROM rels r
@@ -534,4 +592,42 @@ async fn size_locked(client: &Client, oid: u32, attempts: u32) -> Result<Option<
 /// Client-side identifier quoting, used only for text shown to people (never for executed SQL).
 pub fn quote_ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared(db: &str, oid: u32, skipped: bool) -> ForkEntry {
+        ForkEntry {
+            database: db.into(),
+            schema: "pg_catalog".into(),
+            name: format!("shared{oid}"),
+            oid,
+            kind: RelKind::Table,
+            fork: Fork::Main,
+            blocks: 1,
+            table: format!("pg_catalog.shared{oid}"),
+            owner: "postgres".into(),
+            as_role: None,
+            owner_settable: false,
+            planned_skip: skipped.then(|| Skip { reason: SkipReason::NoExtension, detail: String::new(), fix: None }),
+            excluded: false,
+        }
+    }
+
+    #[test]
+    fn shared_catalogs_are_read_from_the_first_database_that_can_read_them() {
+        // a: no pg_prewarm (skipped); b: can read; c: can read too.
+        let forks = vec![shared("a", 1260, true), shared("b", 1260, false), shared("c", 1260, false)];
+        let keys = vec![Some((1260, Fork::Main)); 3];
+        let kept = read_shared_once(forks, &keys);
+        assert_eq!(kept.iter().map(|f| f.database.as_str()).collect::<Vec<_>>(), ["b"]);
+        // Nobody can read it: listed once, from the first database, with its reason.
+        let kept = read_shared_once(vec![shared("a", 1, true), shared("b", 1, true)], &[Some((1, Fork::Main)); 2]);
+        assert_eq!(kept.iter().map(|f| f.database.as_str()).collect::<Vec<_>>(), ["a"]);
+        // Not shared: every database keeps its own.
+        let kept = read_shared_once(vec![shared("a", 5, false), shared("b", 5, false)], &[None, None]);
+        assert_eq!(kept.len(), 2);
+    }
 }

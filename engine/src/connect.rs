@@ -73,6 +73,8 @@ pub struct ConnectionSpec {
     statement_timeout: Duration,
     /// Startup options the user gave (PGOPTIONS, `options=`); the search path pin follows them.
     user_options: Option<String>,
+    /// The TLS configuration, built (and the CA bundle read) once per spec, not once per session.
+    tls_cache: Arc<std::sync::OnceLock<MakeRustlsConnect>>,
 }
 
 impl std::fmt::Debug for ConnectionSpec {
@@ -126,9 +128,12 @@ fn percent_decode(s: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
+        // Only two hex digits make an escape: anything else (a multibyte character after `%`, say) is
+        // kept as it is, byte for byte.
         if bytes[i] == b'%' && i + 2 < bytes.len() {
-            if let Ok(b) = u8::from_str_radix(&s[i + 1..i + 3], 16) {
-                out.push(b);
+            let hex = |b: u8| (b as char).to_digit(16);
+            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                out.push((h * 16 + l) as u8);
                 i += 3;
                 continue;
             }
@@ -239,6 +244,7 @@ impl ConnectionSpec {
             lock_timeout: Duration::from_secs(5),
             statement_timeout: Duration::from_secs(300),
             user_options,
+            tls_cache: Arc::default(),
         })
     }
 
@@ -248,7 +254,29 @@ impl ConnectionSpec {
         if ca_file.is_some() {
             self.ca_file = ca_file;
         }
+        self.tls_cache = Arc::default();
         self
+    }
+
+    /// The bound of opening one session: TCP connect, TLS handshake, authentication and the first
+    /// statement together (libpq's connect_timeout; 10 s unless PGCONNECT_TIMEOUT or connect_timeout=).
+    pub fn connect_timeout(&self) -> Duration {
+        self.config.get_connect_timeout().copied().unwrap_or(Duration::from_secs(10))
+    }
+
+    /// Asks the server to cancel what `token`'s session is running, without waiting for it: the
+    /// request opens a connection of its own, bounded by connect_timeout. Used when a statement gave
+    /// no answer in time (the session itself may be half-open and is dropped).
+    pub fn cancel_in_background(&self, token: tokio_postgres::CancelToken) {
+        let Ok(tls) = self.tls_connector() else { return };
+        let bound = self.connect_timeout();
+        tokio::spawn(async move {
+            match tokio::time::timeout(bound, token.cancel_query(tls)).await {
+                Ok(Ok(())) => tracing::debug!("cancel request delivered"),
+                Ok(Err(e)) => tracing::debug!(error = %describe(&e), "cancel request failed"),
+                Err(_) => tracing::debug!("cancel request got no answer"),
+            }
+        });
     }
 
     /// lock_timeout and statement_timeout set on every session this spec opens (a statement may
@@ -261,6 +289,10 @@ impl ConnectionSpec {
 
     pub fn lock_timeout(&self) -> Duration {
         self.lock_timeout
+    }
+
+    pub fn statement_timeout(&self) -> Duration {
+        self.statement_timeout
     }
 
     pub fn with_application_name(mut self, name: impl Into<String>) -> Self {
@@ -299,6 +331,15 @@ impl ConnectionSpec {
     }
 
     fn tls_connector(&self) -> Result<MakeRustlsConnect> {
+        if let Some(c) = self.tls_cache.get() {
+            return Ok(c.clone());
+        }
+        let c = self.build_tls_connector()?;
+        let _ = self.tls_cache.set(c.clone());
+        Ok(c)
+    }
+
+    fn build_tls_connector(&self) -> Result<MakeRustlsConnect> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
@@ -374,8 +415,31 @@ impl ConnectionSpec {
             TlsMode::Prefer => SslMode::Prefer,
             _ => SslMode::Require,
         });
+        // A dead peer (failover, a dropped NAT entry) is noticed in about 30 s, not the kernel's two
+        // hours: keepalives on an idle session, and a bound on unacknowledged data.
+        config.keepalives(true);
+        config.keepalives_idle(KEEPALIVE_IDLE);
+        config.keepalives_interval(KEEPALIVE_INTERVAL);
+        config.keepalives_retries(KEEPALIVE_RETRIES);
+        config.tcp_user_timeout(TCP_USER_TIMEOUT);
         let tls = self.tls_connector()?;
         let target = format!("{} database {database:?}", self.target());
+        let bound = self.connect_timeout();
+        match tokio::time::timeout(bound, self.open(config, tls, &target)).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Connect {
+                target,
+                reason: format!(
+                    "no answer within {} s (connect_timeout) while connecting, negotiating TLS or logging in",
+                    bound.as_secs_f64()
+                ),
+                source: None,
+            }),
+        }
+    }
+
+    async fn open(&self, config: Config, tls: MakeRustlsConnect, target: &str) -> Result<Client> {
+        let target = target.to_string();
         let (client, connection) = config.connect(tls).await.map_err(|e| classify_connect_error(&target, e))?;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
@@ -400,6 +464,12 @@ impl ConnectionSpec {
         Ok(client)
     }
 }
+
+/// TCP keepalive and user timeout of every session: see [`ConnectionSpec::connect`].
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+pub const KEEPALIVE_RETRIES: u32 = 3;
+pub const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn overlay_hosts(mut base: Config, parsed: &Config) -> Config {
     let mut fresh = Config::new();
@@ -567,6 +637,18 @@ mod tests {
                 .unwrap();
         assert_eq!(spec.tls_mode(), TlsMode::VerifyCa);
         assert_eq!(spec.ca_file.as_deref(), Some(Path::new("/tmp/ca.pem")));
+    }
+
+    #[test]
+    fn a_percent_sign_before_a_multibyte_character_is_kept_not_a_panic() {
+        assert_eq!(percent_decode("p%ä%41x"), "p%äAx");
+        assert_eq!(percent_decode("%"), "%");
+        assert_eq!(percent_decode("ab%4"), "ab%4");
+        assert_eq!(percent_decode("%e2%82%ac"), "€");
+        let spec =
+            ConnectionSpec::parse(Some("postgresql://u@h/db?sslmode=require&sslrootcert=/tmp/c%ä%.pem"), env(&[]))
+                .unwrap();
+        assert_eq!(spec.ca_file.as_deref(), Some(Path::new("/tmp/c%ä%.pem")));
     }
 
     #[test]

@@ -1,8 +1,6 @@
 //! The engine's error type. Each kind has a fixed name (the contract with the Lambda error names that
 //! the state machine's Retry/Catch match) and a fixed CLI exit code.
 
-use tokio_postgres::error::SqlState;
-
 /// Exit codes of the `pghydrate` command. Documented in the README; never renumber.
 pub mod exit {
     /// Every byte of every planned relation fork was read.
@@ -115,6 +113,16 @@ impl Error {
         }
     }
 
+    /// The SQLSTATE the server gave, where there is one.
+    pub fn sqlstate(&self) -> Option<&str> {
+        match self {
+            Error::Connect { source: Some(e), .. }
+            | Error::Authentication { source: Some(e), .. }
+            | Error::Query { source: e, .. } => e.code().map(|c| c.code()),
+            _ => None,
+        }
+    }
+
     pub fn query(context: impl Into<String>, source: tokio_postgres::Error) -> Self {
         Error::Query { context: context.into(), source }
     }
@@ -123,20 +131,63 @@ impl Error {
 /// True when the error means the session is gone (server restart, kill, network), so the work can be
 /// retried on a new connection.
 pub fn is_connection_error(e: &tokio_postgres::Error) -> bool {
-    if e.is_closed() {
-        return true;
+    disposition_of(e) == Disposition::SessionLost
+}
+
+/// What a worker does after a statement failed. One decision per cause, each with its own budget
+/// ([`crate::warm`]): a range that lost its connection four times is not thereby closer to being
+/// skipped for a lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// The session is gone (restart, kill, network, failover): reconnect and retry the range.
+    SessionLost,
+    /// The database no longer exists (dropped during the run): its work vanished with it.
+    DatabaseGone,
+    /// Someone holds a conflicting lock (or a deadlock was broken): come back to the range later.
+    LockBusy,
+    /// The server is short of a resource (memory, connections, disk): back off and retry later.
+    ServerBusy,
+    /// statement_timeout cancelled the statement: the range is too long for one statement.
+    Canceled,
+    /// Another role created an overload of pg_prewarm beside the extension's: nothing can run.
+    AmbiguousFunction,
+    /// The login role may not read the relation.
+    Privilege,
+    /// Anything else: look at whether the relation was dropped or shrank, else report the error.
+    Examine,
+}
+
+/// Classifies a failed statement by its SQLSTATE and error kind. `sqlstate` is None for errors that
+/// did not come from the server; `closed` says whether the driver knows the connection is closed.
+/// Pure, so that the whole table is unit-tested ([`tests::the_disposition_table`]).
+pub fn disposition(sqlstate: Option<&str>, closed: bool) -> Disposition {
+    if closed {
+        return Disposition::SessionLost;
     }
-    if let Some(code) = e.code() {
-        let c = code.code();
-        return c.starts_with("08") // connection exception
-            || *code == SqlState::ADMIN_SHUTDOWN
-            || *code == SqlState::CRASH_SHUTDOWN
-            || *code == SqlState::CANNOT_CONNECT_NOW
-            || *code == SqlState::TOO_MANY_CONNECTIONS
-            || *code == SqlState::IDLE_SESSION_TIMEOUT;
+    let Some(code) = sqlstate else {
+        // Not a server error: an I/O failure on the socket, a broken TLS stream, a protocol error.
+        return Disposition::SessionLost;
+    };
+    match code {
+        "3D000" => Disposition::DatabaseGone, // invalid_catalog_name: database does not exist
+        "55P03" | "40P01" => Disposition::LockBusy, // lock_not_available, deadlock_detected
+        "57014" => Disposition::Canceled,     // query_canceled
+        "42725" => Disposition::AmbiguousFunction,
+        "42501" => Disposition::Privilege, // insufficient_privilege
+        // admin_shutdown, crash_shutdown, cannot_connect_now, idle_session_timeout,
+        // idle_in_transaction_session_timeout: the server ended the session.
+        "57P01" | "57P02" | "57P03" | "57P05" | "25P03" => Disposition::SessionLost,
+        "53300" => Disposition::SessionLost, // too_many_connections: a new session, later
+        c if c.starts_with("08") => Disposition::SessionLost, // connection_exception
+        c if c.starts_with("53") => Disposition::ServerBusy, // out of memory, disk full, ...
+        "40001" => Disposition::LockBusy,    // serialization_failure: transient, retry later
+        _ => Disposition::Examine,
     }
-    // No SQLSTATE and not a server error: an I/O failure on the socket.
-    e.as_db_error().is_none()
+}
+
+/// [`disposition`] of a driver error.
+pub fn disposition_of(e: &tokio_postgres::Error) -> Disposition {
+    disposition(e.code().map(|c| c.code()), e.is_closed())
 }
 
 /// The one-line text of a PostgreSQL error, without the crate's "db error:" prefix noise.
@@ -160,3 +211,42 @@ pub fn describe(e: &tokio_postgres::Error) -> String {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Disposition::*;
+
+    #[test]
+    fn the_disposition_table() {
+        let table: &[(Option<&str>, bool, Disposition)] = &[
+            (None, false, SessionLost),           // socket error, TLS error, no answer
+            (Some("42P01"), true, SessionLost),   // whatever the code, a closed connection is lost
+            (Some("08006"), false, SessionLost),  // connection_failure
+            (Some("08P01"), false, SessionLost),  // protocol_violation
+            (Some("57P01"), false, SessionLost),  // admin_shutdown (pg_terminate_backend, restart)
+            (Some("57P02"), false, SessionLost),  // crash_shutdown
+            (Some("57P03"), false, SessionLost),  // cannot_connect_now (starting up, recovery)
+            (Some("57P05"), false, SessionLost),  // idle_session_timeout
+            (Some("25P03"), false, SessionLost),  // idle_in_transaction_session_timeout
+            (Some("53300"), false, SessionLost),  // too_many_connections
+            (Some("3D000"), false, DatabaseGone), // database dropped
+            (Some("55P03"), false, LockBusy),     // lock_not_available (lock_timeout)
+            (Some("40P01"), false, LockBusy),     // deadlock_detected
+            (Some("40001"), false, LockBusy),     // serialization_failure
+            (Some("53200"), false, ServerBusy),   // out_of_memory
+            (Some("53100"), false, ServerBusy),   // disk_full
+            (Some("57014"), false, Canceled),     // statement_timeout
+            (Some("42725"), false, AmbiguousFunction),
+            (Some("42501"), false, Privilege),
+            (Some("XX000"), false, Examine), // "could not open relation with OID": dropped?
+            (Some("58P01"), false, Examine), // undefined_file: rewritten or dropped?
+            (Some("XX001"), false, Examine), // data_corrupted: reported with its message
+            (Some("22023"), false, Examine), // invalid_parameter_value (block out of range)
+            (Some("42883"), false, Examine), // undefined_function
+        ];
+        for (code, closed, want) in table {
+            assert_eq!(disposition(*code, *closed), *want, "{code:?} closed={closed}");
+        }
+    }
+}

@@ -2,6 +2,7 @@
 //!
 //! - [`catalog`] discovers databases and every relation fork with storage, and builds a [`plan::Plan`];
 //! - [`warm`] reads the plan's block ranges with pg_prewarm in parallel sessions;
+//! - [`bounded`] gives every statement a client-side bound (half-open connections);
 //! - [`maintain`] runs ANALYZE / VACUUM ANALYZE;
 //! - [`run::RunState`] is a whole hydration as one serializable value (the continuation);
 //! - [`report`] turns a state into the report;
@@ -10,6 +11,7 @@
 
 #[cfg(feature = "aws")]
 pub mod aws;
+pub mod bounded;
 pub mod catalog;
 pub mod connect;
 pub mod error;

@@ -4,11 +4,11 @@
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio_postgres::error::SqlState;
 use tracing::{info, warn};
 
+use crate::bounded::{bounded, bounded_or_stopped, client_bound, Failed};
 use crate::connect::ConnectionSpec;
-use crate::error::{describe, is_connection_error, Error, Result};
+use crate::error::{Disposition, Error};
 use crate::sql::maintenance_statement;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,6 +26,23 @@ pub struct MaintenanceTarget {
     pub database: String,
     pub table: String,
     pub oid: u32,
+    /// How many times a deadline cut this table's statement short. The first cut puts it back (the
+    /// next call starts with it, with its whole window); the second reports it, with the statement to
+    /// run from a host: a statement longer than any call is never retried forever.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cut: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// The tables to maintain, and the databases whose tables could not be listed (with why): reported,
+/// never silently left out.
+#[derive(Debug, Default)]
+pub struct Targets {
+    pub targets: Vec<MaintenanceTarget>,
+    pub unlisted: Vec<MaintenanceResult>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -47,50 +64,81 @@ pub struct MaintainOptions {
     pub lock_timeout: Duration,
     pub deadline: Option<Instant>,
     pub margin: Duration,
+    /// Set to stop: no new statement starts (Ctrl-C, SIGTERM).
+    pub stop: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// Lists the tables to maintain: tables, partitions, partitioned tables and materialized views of
-/// `databases` that are not in system schemas and for which `excluded(database, schema.table)` is false.
+/// `databases` that are not in system schemas and for which `excluded(database, schema, table)` is
+/// false. A database whose tables cannot be listed is reported in `unlisted`.
 pub async fn targets(
     spec: &ConnectionSpec,
     databases: &[String],
-    excluded: impl Fn(&str, &str) -> bool,
-) -> Result<Vec<MaintenanceTarget>> {
-    let mut out = Vec::new();
+    action: Maintenance,
+    excluded: impl Fn(&str, &str, &str) -> bool,
+) -> Targets {
+    let mut out = Targets::default();
     for db in databases {
-        let client = match spec.connect(db).await {
-            Ok(c) => c,
-            Err(e) => {
-                warn!(database = %db, error = %e, "cannot list tables to maintain");
-                continue;
-            }
-        };
-        let rows = client
-            .query(
-                "SELECT c.oid, (n.nspname || '.' || c.relname)::text
+        let listed = async {
+            let client = spec.connect(db).await?;
+            let list = client.query(
+                "SELECT c.oid, n.nspname::text, c.relname::text
                    FROM pg_catalog.pg_class c
                    JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
                   WHERE c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'
                     AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_toast%'
                   ORDER BY c.oid",
                 &[],
-            )
-            .await
-            .map_err(|e| Error::query("listing tables to maintain", e))?;
-        for r in rows {
-            let oid: u32 = r.get(0);
-            let table: String = r.get(1);
-            if excluded(db, &table) {
-                continue;
+            );
+            bounded(spec, &client, client_bound(spec.statement_timeout(), Duration::from_secs(30)), list)
+                .await
+                .map_err(|f| f.describe())
+                .map_err(|reason| Error::Connect { target: format!("database {db:?}"), reason, source: None })
+        };
+        match listed.await {
+            Ok(rows) => {
+                for r in rows {
+                    let (oid, schema, name): (u32, String, String) = (r.get(0), r.get(1), r.get(2));
+                    if excluded(db, &schema, &name) {
+                        continue;
+                    }
+                    out.targets.push(MaintenanceTarget {
+                        database: db.clone(),
+                        table: format!("{schema}.{name}"),
+                        oid,
+                        cut: 0,
+                    });
+                }
             }
-            out.push(MaintenanceTarget { database: db.clone(), table, oid });
+            Err(e) => {
+                warn!(database = %db, error = %e, "cannot list the tables to maintain");
+                out.unlisted.push(MaintenanceResult {
+                    database: db.clone(),
+                    table: "(every table)".into(),
+                    action: action.statement().into(),
+                    outcome: "skipped".into(),
+                    reason: Some(format!("cannot list the tables: {e}")),
+                    seconds: 0.0,
+                });
+            }
         }
     }
-    Ok(out)
+    out
+}
+
+impl Maintenance {
+    /// The statement's name, for reports.
+    pub fn statement(self) -> &'static str {
+        match self {
+            Maintenance::VacuumAnalyze => "VACUUM ANALYZE",
+            Maintenance::Analyze => "ANALYZE",
+            Maintenance::None => "none",
+        }
+    }
 }
 
 /// Maintains `targets` in order, one session per database. Returns results and the targets left when
-/// the deadline came.
+/// the deadline came (or a stop was asked).
 pub async fn maintain(
     spec: &ConnectionSpec,
     targets: Vec<MaintenanceTarget>,
@@ -101,9 +149,10 @@ pub async fn maintain(
     // (database, session, server_version_num, in recovery)
     let mut session: Option<(String, tokio_postgres::Client, i32, bool)> = None;
     let vacuum = opts.action == Maintenance::VacuumAnalyze;
-    while let Some(t) = pending.pop_front() {
+    let stopped = || opts.stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed));
+    while let Some(mut t) = pending.pop_front() {
         let left = opts.deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        if left.is_some_and(|l| l <= opts.margin) {
+        if left.is_some_and(|l| l <= opts.margin) || stopped() {
             pending.push_front(t);
             break;
         }
@@ -115,15 +164,20 @@ pub async fn maintain(
             reason,
             seconds,
         };
-        let planned_action = if vacuum { "VACUUM ANALYZE" } else { "ANALYZE" };
+        let planned_action = opts.action.statement();
         if session.as_ref().is_none_or(|(db, _, _, _)| db != &t.database) {
             session = None;
             let opened = async {
                 let client = spec.connect(&t.database).await?;
-                let row = client
-                    .query_one("SELECT current_setting('server_version_num')::int4, pg_is_in_recovery()", &[])
+                let look =
+                    client.query_one("SELECT current_setting('server_version_num')::int4, pg_is_in_recovery()", &[]);
+                let row = bounded(spec, &client, client_bound(spec.connect_timeout(), opts.margin), look)
                     .await
-                    .map_err(|e| Error::query("reading server_version_num", e))?;
+                    .map_err(|f| Error::Connect {
+                        target: format!("database {:?}", t.database),
+                        reason: f.describe(),
+                        source: None,
+                    })?;
                 Ok::<_, Error>((t.database.clone(), client, row.get(0), row.get(1)))
             };
             match opened.await {
@@ -153,22 +207,28 @@ pub async fn maintain(
             timeout = timeout.min(l.saturating_sub(opts.margin / 2)).max(Duration::from_millis(100));
         }
         let started = Instant::now();
+        let quick = client_bound(spec.connect_timeout(), opts.margin);
         // The statement is built by the server from the oid, now; the target's name is only a label.
+        let mut statement: Option<String> = None;
         let res = async {
-            client
-                .query_one(
-                    "SELECT pg_catalog.set_config('statement_timeout', $1, false), pg_catalog.set_config('lock_timeout', $2, false)",
-                    &[&format!("{}ms", timeout.as_millis()), &format!("{}ms", opts.lock_timeout.as_millis().max(1))],
-                )
-                .await?;
-            let Some(st) = maintenance_statement(client, t.oid, vacuum, *version).await? else {
+            let (st_ms, lock_ms) = (format!("{}ms", timeout.as_millis()), format!("{}ms", opts.lock_timeout.as_millis().max(1)));
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&st_ms, &lock_ms];
+            let set = client.query_one(
+                "SELECT pg_catalog.set_config('statement_timeout', $1, false), pg_catalog.set_config('lock_timeout', $2, false)",
+                &params,
+            );
+            bounded(spec, client, quick, set).await?;
+            let built = bounded(spec, client, quick, maintenance_statement(client, t.oid, vacuum, *version)).await?;
+            let Some(st) = built else {
                 return Ok((planned_action, Some("dropped during the run (no such table any more)".to_string())));
             };
             if !st.allowed {
                 return Ok((st.action, Some("only the owner (or MAINTAIN privilege) may do this".to_string())));
             }
-            client.batch_execute(st.sql.as_str()).await?;
-            Ok((st.action, None))
+            statement = Some(st.sql.as_str().to_string());
+            let limit = client_bound(timeout, opts.margin);
+            bounded_or_stopped(spec, client, limit, opts.stop.as_deref(), client.batch_execute(st.sql.as_str())).await?;
+            Ok::<_, Failed>((st.action, None))
         }
         .await;
         let secs = started.elapsed().as_secs_f64();
@@ -178,17 +238,39 @@ pub async fn maintain(
                 results.push(result(action, "done", None, secs));
             }
             Ok((action, Some(reason))) => results.push(result(action, "skipped", Some(reason), secs)),
-            Err(e) if is_connection_error(&e) => {
-                session = None;
-                results.push(result(planned_action, "skipped", Some(format!("session lost: {}", describe(&e))), secs));
-            }
-            Err(e) if e.code() == Some(&SqlState::QUERY_CANCELED) && left.is_some() => {
+            Err(Failed::Stopped) => {
                 pending.push_front(t);
                 break;
             }
-            Err(e) => {
-                warn!(database = %t.database, table = %t.table, error = %describe(&e), "maintenance skipped");
-                results.push(result(planned_action, "skipped", Some(describe(&e)), secs));
+            Err(f) if f.disposition() == Disposition::SessionLost => {
+                session = None;
+                results.push(result(planned_action, "skipped", Some(format!("session lost: {}", f.describe())), secs));
+            }
+            Err(f) if f.disposition() == Disposition::Canceled && timeout < opts.statement_timeout => {
+                // Cut by the deadline, not by its own timeout.
+                t.cut += 1;
+                if t.cut >= 2 {
+                    let st = statement.unwrap_or_else(|| format!("{planned_action} {}", t.table));
+                    warn!(database = %t.database, table = %t.table, "maintenance statement longer than a call; reported");
+                    results.push(result(
+                        planned_action,
+                        "skipped",
+                        Some(format!(
+                            "did not finish within the time left in two calls ({:.0} s in the last); run it from a host \
+                             without a time limit: {st} (in database {:?})",
+                            secs, t.database
+                        )),
+                        secs,
+                    ));
+                    continue;
+                }
+                info!(database = %t.database, table = %t.table, "the deadline cut a maintenance statement; the next call starts with it");
+                pending.push_front(t);
+                break;
+            }
+            Err(f) => {
+                warn!(database = %t.database, table = %t.table, error = %f.describe(), "maintenance skipped");
+                results.push(result(planned_action, "skipped", Some(f.describe()), secs));
             }
         }
     }

@@ -99,6 +99,11 @@ mod tests {
         let p = RelationPattern::parse("app*:public.t").unwrap();
         assert!(p.matches("app2", "public", "t"));
         assert!(!p.matches("other", "public", "t"));
+        // A dot in a schema or table name: the pattern is matched against the whole `schema.table`,
+        // never split at its first dot.
+        let p = RelationPattern::parse("my.schema.t*").unwrap();
+        assert!(p.matches("db", "my.schema", "t1"));
+        assert!(p.matches("db", "my", "schema.t2"));
         assert!(RelationPattern::parse(":x").is_err());
         assert!(RelationPattern::parse("  ").is_err());
     }

@@ -81,10 +81,13 @@ pub enum SkipReason {
     Permission,
     /// pg_prewarm is not installed in the database and could not be created.
     NoExtension,
-    /// The database could not be reached during the run.
+    /// The database could not be reached during the run. No longer recorded by the engine (their
+    /// ranges stay pending); kept so that reports and continuations of earlier versions still read.
     DatabaseUnreachable,
     /// The relation was dropped after it was planned.
     Dropped,
+    /// Its database was dropped after it was planned.
+    DatabaseDropped,
     /// The relation shrank after it was planned; the missing blocks no longer exist.
     Truncated,
     /// A lock could not be had within lock_timeout, on every attempt.
@@ -101,7 +104,7 @@ impl SkipReason {
     /// Blocks that vanished (dropped, truncated) no longer exist: they need no hydration and do not
     /// count against coverage.
     pub fn vanished(self) -> bool {
-        matches!(self, SkipReason::Dropped | SkipReason::Truncated)
+        matches!(self, SkipReason::Dropped | SkipReason::DatabaseDropped | SkipReason::Truncated)
     }
 }
 

@@ -25,6 +25,9 @@ pub struct Report {
     /// "complete", "incomplete" or "stopped_at_deadline".
     pub status: String,
     pub exit_code: i32,
+    /// Databases that could not be reached, with why: their ranges are left for the continuation.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub unreachable: std::collections::BTreeMap<String, String>,
     /// warmed_bytes / (total_bytes - vanished_bytes): the share of the bytes that still exist that
     /// were read. 1.0 means every existing block of every planned fork was read.
     pub coverage: f64,
@@ -136,6 +139,7 @@ pub fn build(state: &RunState) -> Report {
         maintenance_action: serde_json::to_value(state.maintenance).unwrap().as_str().unwrap_or("").into(),
         status: String::new(),
         exit_code: 0,
+        unreachable: Default::default(),
         coverage: 0.0,
         total_bytes: 0,
         warmed_bytes: 0,
@@ -224,7 +228,12 @@ pub fn build(state: &RunState) -> Report {
     let live = report.total_bytes - report.vanished_bytes;
     report.coverage = if live == 0 { 1.0 } else { report.warmed_bytes as f64 / live as f64 };
     let db_missed = plan.databases.iter().any(|d| d.outcome == "skipped" && d.counts_against_coverage);
-    let (status, code) = if !state.finished() {
+    report.unreachable = state.unreachable.clone();
+    let (status, code) = if !state.finished() && !state.unreachable.is_empty() {
+        ("stopped_unreachable", exit::CONNECTION)
+    } else if !state.finished() && state.interrupted.is_some() {
+        ("interrupted", exit::STOPPED_AT_DEADLINE)
+    } else if !state.finished() {
         ("stopped_at_deadline", exit::STOPPED_AT_DEADLINE)
     } else if report.warmed_bytes < live || db_missed {
         ("incomplete", exit::INCOMPLETE)
@@ -309,6 +318,9 @@ impl Report {
         }
         if self.excluded_bytes > 0 {
             let _ = writeln!(s, "  excluded by patterns: {}", human_bytes(self.excluded_bytes));
+        }
+        for (db, why) in &self.unreachable {
+            let _ = writeln!(s, "  unreachable {db}: {why}");
         }
         if self.pending_bytes > 0 {
             let _ = writeln!(s, "  left for the continuation: {}", human_bytes(self.pending_bytes));

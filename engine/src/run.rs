@@ -2,6 +2,7 @@
 //! left, and maintenance. Saved as the continuation when a deadline stops a run; `resume` picks it up
 //! and does exactly the rest. Holds no secret: the connection is given again on resume.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,6 +34,12 @@ pub struct RunState {
     pub maintain_seconds: f64,
     /// How many calls (runs, resumes, Lambda invocations) worked on this state.
     pub calls: u32,
+    /// Databases the last call could not reach (their ranges are in `pending`), with why.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub unreachable: BTreeMap<String, String>,
+    /// Set when the last call was stopped by a signal (its name), not by the time limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interrupted: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -78,6 +85,8 @@ impl RunState {
             warm_seconds: 0.0,
             maintain_seconds: 0.0,
             calls: 0,
+            unreachable: BTreeMap::new(),
+            interrupted: None,
         }
     }
 
@@ -110,6 +119,7 @@ impl RunState {
     /// Works on the state until it is finished or the deadline in `opts` comes.
     pub async fn advance(&mut self, spec: &ConnectionSpec, opts: &RunOptions, counters: Arc<Counters>) -> Result<()> {
         self.calls += 1;
+        self.interrupted = None;
         let mut warm_opts = opts.warm.clone();
         warm_opts.mode = self.mode;
         warm_opts.sessions = self.sessions;
@@ -118,19 +128,26 @@ impl RunState {
             let plan = Arc::new(self.plan.clone());
             let ranges = std::mem::take(&mut self.pending);
             info!(ranges = ranges.len(), sessions = self.sessions, mode = self.mode.as_str(), "warming");
-            let (outcomes, pending) = warm::warm(spec, plan, ranges, &warm_opts, counters).await?;
-            self.outcomes.extend(outcomes);
-            self.pending = pending;
+            let warmed = warm::warm(spec, plan, ranges, &warm_opts, counters).await?;
+            self.outcomes.extend(warmed.outcomes);
+            self.pending = warmed.pending;
+            self.unreachable = warmed.unreachable;
             self.warm_seconds += started.elapsed().as_secs_f64();
             if !self.pending.is_empty() {
-                warn!(ranges_left = self.pending.len(), "stopped at the deadline with ranges left");
+                if self.unreachable.is_empty() {
+                    warn!(ranges_left = self.pending.len(), "stopped with ranges left (time limit or stop)");
+                } else {
+                    warn!(ranges_left = self.pending.len(), databases = ?self.unreachable.keys().collect::<Vec<_>>(),
+                          "stopped: databases unreachable, their ranges are left for resume");
+                }
                 return Ok(());
             }
         }
         if self.maintenance == Maintenance::None {
             return Ok(());
         }
-        let near = opts.warm.deadline.is_some_and(|d| d.saturating_duration_since(Instant::now()) <= opts.warm.margin);
+        let near = opts.warm.deadline.is_some_and(|d| d.saturating_duration_since(Instant::now()) <= opts.warm.margin)
+            || opts.warm.stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed));
         if near {
             return Ok(());
         }
@@ -147,7 +164,12 @@ impl RunState {
                     .filter(|f| f.excluded)
                     .map(|f| (f.database.as_str(), f.table.clone()))
                     .collect();
-                maintain::targets(spec, &databases, |db, table| excluded.contains(&(db, table.to_string()))).await?
+                let listed = maintain::targets(spec, &databases, self.maintenance, |db, schema, name| {
+                    excluded.contains(&(db, format!("{schema}.{name}")))
+                })
+                .await;
+                self.maintenance_results.extend(listed.unlisted);
+                listed.targets
             }
         };
         let mopts = MaintainOptions {
@@ -156,6 +178,7 @@ impl RunState {
             lock_timeout: opts.warm.lock_timeout,
             deadline: opts.warm.deadline,
             margin: opts.warm.margin,
+            stop: opts.warm.stop.clone(),
         };
         let (results, left) = maintain::maintain(spec, targets, &mopts).await;
         self.maintenance_results.extend(results);

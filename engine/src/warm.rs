@@ -3,18 +3,18 @@
 //! it is split), or stays pending when the deadline comes: outcomes plus pending always partition the
 //! planned ranges exactly.
 
-use std::collections::{HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio_postgres::error::SqlState;
 use tokio_postgres::Client;
 use tracing::{debug, info, warn};
 
+use crate::bounded::{bounded, bounded_or_stopped, client_bound, Failed};
 use crate::connect::ConnectionSpec;
-use crate::error::{describe, is_connection_error, Error, Result};
+use crate::error::{is_connection_error, Disposition, Error, Result};
 use crate::plan::{BlockRange, Plan, ServerInfo, Skip, SkipReason};
 use crate::sql::{prewarm_call, ServerSql};
 
@@ -66,8 +66,29 @@ pub struct WarmOptions {
     /// Start no new range once less than `margin` is left before the deadline.
     pub deadline: Option<Instant>,
     pub margin: Duration,
-    /// How long a lost session keeps trying to reconnect before its database is declared unreachable.
+    /// How long a lost session keeps trying to reconnect before its database is declared unreachable
+    /// (its ranges then stay pending).
     pub reconnect_for: Duration,
+    /// Set (by a Ctrl-C or SIGTERM handler, say) to stop: no new range starts, and the ranges left are
+    /// pending, as at a deadline.
+    pub stop: Option<Arc<AtomicBool>>,
+    /// Called before each range is worked on. For fault-injection tests only (a panic here is a bug in
+    /// a worker); None in every binary.
+    #[doc(hidden)]
+    pub before_range: Option<RangeHook>,
+}
+
+/// See [`WarmOptions::before_range`].
+#[derive(Clone)]
+pub struct RangeHook(pub Arc<RangeHookFn>);
+
+/// The function a [`RangeHook`] calls.
+pub type RangeHookFn = dyn Fn(&crate::plan::ForkEntry, &BlockRange) + Send + Sync;
+
+impl std::fmt::Debug for RangeHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RangeHook")
+    }
 }
 
 impl Default for WarmOptions {
@@ -81,6 +102,8 @@ impl Default for WarmOptions {
             deadline: None,
             margin: Duration::from_secs(30),
             reconnect_for: Duration::from_secs(120),
+            stop: None,
+            before_range: None,
         }
     }
 }
@@ -110,23 +133,65 @@ pub struct Counters {
     pub sessions: AtomicUsize,
 }
 
+/// What [`warm`] did: the outcomes recorded, the ranges left, and why they were left.
+#[derive(Debug, Default)]
+pub struct Warmed {
+    pub outcomes: Vec<RangeOutcome>,
+    /// Ranges not read: the deadline came, the run was interrupted, or their database could not be
+    /// reached. Never lost: they are the continuation (CLI) or the item's rest (workflow).
+    pub pending: Vec<BlockRange>,
+    /// Databases that could not be reached for `reconnect_for`, with the last reason. Their ranges are
+    /// pending, not skipped: a failover or a reboot longer than `reconnect_for` ends the run with a
+    /// continuation, and the rest is read when it is resumed (or when the workflow retries the call).
+    pub unreachable: BTreeMap<String, String>,
+}
+
+/// Attempts a range gets for each cause before it is given up with that cause: a range that lost its
+/// session four times is not thereby closer to being skipped for a lock.
+const MAX_RECONNECTS: u32 = 8;
+const MAX_BUSY_WAITS: u32 = 5;
+const MAX_RECHECKS: u32 = 3;
+const MAX_PANICS: u32 = 2;
+
 #[derive(Debug, Clone)]
 struct Task {
     range: BlockRange,
-    attempts: u32,
+    /// Sessions lost while reading this range.
+    reconnects: u32,
+    /// lock_timeout (or deadlock) while reading it.
+    lock_waits: u32,
+    /// The server short of memory, connections or disk.
+    busy_waits: u32,
+    /// Looks at the relation after an unexpected error (it shrank: read to its new end).
+    rechecks: u32,
+    /// Internal failures (a panic) while working on it.
+    panics: u32,
     role_override: Option<String>,
     not_before: Option<Instant>,
 }
 
 impl Task {
     fn new(range: BlockRange) -> Self {
-        Task { range, attempts: 0, role_override: None, not_before: None }
+        Task {
+            range,
+            reconnects: 0,
+            lock_waits: 0,
+            busy_waits: 0,
+            rechecks: 0,
+            panics: 0,
+            role_override: None,
+            not_before: None,
+        }
     }
 }
 
 struct Queue {
     tasks: VecDeque<Task>,
     in_flight: usize,
+    /// Databases that could not be reached: their tasks stay in the queue, untaken.
+    unreachable: BTreeMap<String, String>,
+    /// Databases that no longer exist: their ranges vanished.
+    gone: HashSet<String>,
 }
 
 struct Shared {
@@ -135,20 +200,21 @@ struct Shared {
     opts: WarmOptions,
     queue: Mutex<Queue>,
     outcomes: Mutex<Vec<RangeOutcome>>,
-    unreachable: Mutex<HashSet<String>>,
     counters: Arc<Counters>,
+    /// The task each worker holds, so that a worker that panics loses nothing.
+    in_hand: Vec<Mutex<Option<Task>>>,
 }
 
-/// Reads `ranges` of `plan`. Returns the outcomes recorded and the ranges left pending (only when the
-/// deadline came first). Never fails for what happens to a single relation or session; fails only if
-/// the runtime itself does.
+/// Reads `ranges` of `plan`. Returns the outcomes recorded and the ranges left pending (the deadline
+/// came first, the run was stopped, or their database could not be reached). Never fails for what
+/// happens to a single relation, session or worker.
 pub async fn warm(
     spec: &ConnectionSpec,
     plan: Arc<Plan>,
     ranges: Vec<BlockRange>,
     opts: &WarmOptions,
     counters: Arc<Counters>,
-) -> Result<(Vec<RangeOutcome>, Vec<BlockRange>)> {
+) -> Result<Warmed> {
     if opts.sessions == 0 {
         return Err(Error::InvalidInput("sessions must be at least 1".into()));
     }
@@ -160,10 +226,15 @@ pub async fn warm(
         plan,
         spec: spec.clone(),
         opts: opts.clone(),
-        queue: Mutex::new(Queue { tasks: ranges.into_iter().map(Task::new).collect(), in_flight: 0 }),
+        queue: Mutex::new(Queue {
+            tasks: ranges.into_iter().map(Task::new).collect(),
+            in_flight: 0,
+            unreachable: BTreeMap::new(),
+            gone: HashSet::new(),
+        }),
         outcomes: Mutex::new(Vec::new()),
-        unreachable: Mutex::new(HashSet::new()),
         counters,
+        in_hand: (0..workers).map(|_| Mutex::new(None)).collect(),
     });
     let mut handles = Vec::new();
     for id in 0..workers {
@@ -171,11 +242,21 @@ pub async fn warm(
         handles.push(tokio::spawn(async move { worker(id, s).await }));
     }
     for h in handles {
-        h.await.map_err(|e| Error::Io { context: "warm session task".into(), source: std::io::Error::other(e) })?;
+        if let Err(e) = h.await {
+            // worker() catches its own panics; this is the runtime shutting down under it.
+            warn!(error = %e, "a warm session task ended abnormally");
+        }
+    }
+    // Whatever a worker still held (it could not finish) goes back: nothing is lost.
+    for slot in &shared.in_hand {
+        if let Some(t) = slot.lock().unwrap().take() {
+            shared.queue.lock().unwrap().tasks.push_front(t);
+        }
     }
     let outcomes = std::mem::take(&mut *shared.outcomes.lock().unwrap());
-    let pending: Vec<BlockRange> = shared.queue.lock().unwrap().tasks.drain(..).map(|t| t.range).collect();
-    Ok((outcomes, pending))
+    let mut q = shared.queue.lock().unwrap();
+    let pending: Vec<BlockRange> = q.tasks.drain(..).map(|t| t.range).collect();
+    Ok(Warmed { outcomes, pending, unreachable: std::mem::take(&mut q.unreachable) })
 }
 
 struct Session {
@@ -198,27 +279,58 @@ impl Shared {
         self.opts.deadline.map(|d| d.saturating_duration_since(Instant::now()))
     }
 
-    fn deadline_near(&self) -> bool {
-        self.time_left().is_some_and(|left| left <= self.opts.margin)
+    /// `limit`, and with a deadline, no later than a quarter margin before it.
+    fn within_deadline(&self, limit: Duration) -> Duration {
+        match self.time_left() {
+            Some(left) => limit.min(left.saturating_sub(self.opts.margin / 4)).max(Duration::from_millis(100)),
+            None => limit,
+        }
     }
 
-    fn next(&self) -> Next {
+    fn deadline_near(&self) -> bool {
+        self.time_left().is_some_and(|left| left <= self.opts.margin)
+            || self.opts.stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed))
+    }
+
+    /// The next task to run: the first ready one, preferring one in `current` (the worker's session's
+    /// database), so that a worker keeps its session while it has work there. Tasks of unreachable
+    /// databases are not taken.
+    fn next(&self, worker: usize, current: Option<&str>) -> Next {
         let mut q = self.queue.lock().unwrap();
         let now = Instant::now();
-        if let Some(pos) = q.tasks.iter().position(|t| t.not_before.is_none_or(|nb| nb <= now)) {
+        let takeable = |t: &Task, q: &Queue| {
+            t.not_before.is_none_or(|nb| nb <= now) && !q.unreachable.contains_key(&self.plan.fork(&t.range).database)
+        };
+        let first = q.tasks.iter().position(|t| takeable(t, &q));
+        let pos = match (first, current) {
+            (Some(f), Some(db)) if self.plan.fork(&q.tasks[f].range).database != db => Some(
+                q.tasks.iter().position(|t| takeable(t, &q) && self.plan.fork(&t.range).database == db).unwrap_or(f),
+            ),
+            (f, _) => f,
+        };
+        if let Some(pos) = pos {
             let t = q.tasks.remove(pos).unwrap();
             q.in_flight += 1;
+            *self.in_hand[worker].lock().unwrap() = Some(t.clone());
             return Next::Run(t);
         }
-        if q.tasks.is_empty() && q.in_flight == 0 {
+        let waiting = q.tasks.iter().any(|t| !q.unreachable.contains_key(&self.plan.fork(&t.range).database));
+        if !waiting && q.in_flight == 0 {
             Next::Done
         } else {
             Next::Wait
         }
     }
 
+    /// Ends a worker's flight: the task it held is resolved (recorded, requeued or split).
+    fn release(&self, worker: usize) {
+        *self.in_hand[worker].lock().unwrap() = None;
+        self.queue.lock().unwrap().in_flight -= 1;
+    }
+
     /// Puts a task back (front: retry at once; back: after the others) and ends its flight.
-    fn requeue(&self, t: Task, front: bool) {
+    fn requeue(&self, worker: usize, t: Task, front: bool) {
+        *self.in_hand[worker].lock().unwrap() = None;
         let mut q = self.queue.lock().unwrap();
         if front {
             q.tasks.push_front(t);
@@ -229,17 +341,14 @@ impl Shared {
     }
 
     /// Puts a range back as two halves, first in the queue.
-    fn split_front(&self, task: Task) {
+    fn split_front(&self, worker: usize, task: Task) {
+        *self.in_hand[worker].lock().unwrap() = None;
         let range = task.range;
         let mid = range.first + range.blocks() / 2;
         let mut q = self.queue.lock().unwrap();
         q.tasks.push_front(Task { range: BlockRange { first: mid, ..range }, ..task.clone() });
         q.tasks.push_front(Task { range: BlockRange { last: mid - 1, ..range }, ..task });
         q.in_flight -= 1;
-    }
-
-    fn finish(&self) {
-        self.queue.lock().unwrap().in_flight -= 1;
     }
 
     fn record(&self, range: BlockRange, result: RangeResult) {
@@ -261,20 +370,21 @@ impl Shared {
         self.outcomes.lock().unwrap().push(RangeOutcome { range, result });
     }
 
-    fn skip(&self, range: BlockRange, reason: SkipReason, detail: String, fix: Option<String>) {
+    fn skip(&self, worker: usize, range: BlockRange, reason: SkipReason, detail: String, fix: Option<String>) {
         self.record(range, RangeResult::Skipped(Skip { reason, detail, fix }));
-        self.finish();
+        self.release(worker);
     }
 }
 
 async fn worker(id: usize, s: Arc<Shared>) {
+    use futures_util::FutureExt;
     let mut session: Option<Session> = None;
     loop {
         if s.deadline_near() {
-            debug!(session = id, "deadline near: starting no new range");
+            debug!(session = id, "deadline near or stop asked: starting no new range");
             break;
         }
-        let task = match s.next() {
+        let task = match s.next(id, session.as_ref().map(|x| x.database.as_str())) {
             Next::Run(t) => t,
             Next::Wait => {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -283,41 +393,87 @@ async fn worker(id: usize, s: Arc<Shared>) {
             Next::Done => break,
         };
         s.counters.busy_sessions.fetch_add(1, Ordering::Relaxed);
-        let stop = run_task(id, &s, &mut session, task).await;
+        let ran = std::panic::AssertUnwindSafe(run_task(id, &s, &mut session, task.clone())).catch_unwind().await;
         s.counters.busy_sessions.fetch_sub(1, Ordering::Relaxed);
-        if stop {
-            break;
+        match ran {
+            Ok(true) => break,
+            Ok(false) => {}
+            Err(panic) => {
+                // A bug, not the server: the session's state is unknown, so it goes; the range goes
+                // back (a range that panics again is reported, so that a bug cannot loop forever).
+                session = None;
+                let what = panic_text(panic.as_ref());
+                let mut task = task;
+                task.panics += 1;
+                if task.panics >= MAX_PANICS {
+                    s.skip(id, task.range, SkipReason::Error, format!("internal error: {what}"), None);
+                } else {
+                    warn!(session = id, error = %what, "internal error while reading a range; it goes back to the queue");
+                    s.requeue(id, task, true);
+                }
+            }
         }
     }
 }
 
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".into())
+}
+
+/// Why a session could not be opened.
+enum NotOpened {
+    /// The database no longer exists.
+    Gone(String),
+    /// It could not be reached (or refused the login) for `reconnect_for`; the reason.
+    Unreachable(String),
+    /// The deadline came (or a stop was asked) while reconnecting.
+    Stopped,
+}
+
 /// Opens a session to `db`, retrying connection failures until `reconnect_for` runs out or the deadline
-/// comes. None means give up.
-async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, String> {
+/// comes.
+async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, NotOpened> {
     let started = Instant::now();
     let mut backoff = Duration::from_millis(200);
     loop {
         let attempt = async {
-            let client = s.spec.connect(db).await?;
+            let connect_bound = s.within_deadline(s.spec.connect_timeout());
+            let client = match tokio::time::timeout(connect_bound, s.spec.connect(db)).await {
+                Ok(c) => c?,
+                Err(_) => {
+                    return Err(Error::Connect {
+                        target: format!("{} database {db:?}", s.spec.target()),
+                        reason: format!("no answer within {:.1} s while connecting", connect_bound.as_secs_f64()),
+                        source: None,
+                    })
+                }
+            };
+            let bound = s.within_deadline(client_bound(s.spec.connect_timeout(), s.opts.margin));
             if s.spec.lock_timeout() != s.opts.lock_timeout {
-                client
-                    .query_one(
-                        "SELECT pg_catalog.set_config('lock_timeout', $1, false)",
-                        &[&format!("{}ms", s.opts.lock_timeout.as_millis().max(1))],
-                    )
-                    .await
-                    .map_err(|e| Error::query("setting lock_timeout", e))?;
+                let ms = format!("{}ms", s.opts.lock_timeout.as_millis().max(1));
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ms];
+                let set = client.query_one("SELECT pg_catalog.set_config('lock_timeout', $1, false)", &params);
+                bounded(&s.spec, &client, bound, set).await.map_err(|f| lost_while_opening(&s.spec, db, f))?;
             }
-            let prewarm = prewarm_call(&client).await.map_err(|e| Error::query("finding pg_prewarm", e))?;
+            let prewarm = bounded(&s.spec, &client, bound, prewarm_call(&client))
+                .await
+                .map_err(|f| lost_while_opening(&s.spec, db, f))?;
             Ok::<_, Error>((client, prewarm.map(|(_, call)| call)))
         };
         match attempt.await {
             Ok((client, prewarm)) => {
                 return Ok(Session { database: db.to_string(), client, prewarm, role: None, statement_timeout_ms: 0 })
             }
+            Err(e) if e.sqlstate() == Some("3D000") => return Err(NotOpened::Gone(e.to_string())),
             Err(e) => {
-                if !e.is_retryable() || started.elapsed() >= s.opts.reconnect_for || s.deadline_near() {
-                    return Err(e.to_string());
+                if s.deadline_near() {
+                    return Err(NotOpened::Stopped);
+                }
+                if !e.is_retryable() || started.elapsed() >= s.opts.reconnect_for {
+                    return Err(NotOpened::Unreachable(e.to_string()));
                 }
                 warn!(database = %db, error = %e, retry_in_ms = backoff.as_millis() as u64, "session lost; reconnecting");
                 tokio::time::sleep(backoff).await;
@@ -327,37 +483,82 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, Stri
     }
 }
 
-/// Runs one task; returns true when the worker must stop (deadline).
-async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task: Task) -> bool {
-    let range = task.range;
-    let fork = s.plan.fork(&range).clone();
-    if s.unreachable.lock().unwrap().contains(&fork.database) {
+fn lost_while_opening(spec: &ConnectionSpec, db: &str, f: Failed) -> Error {
+    match f {
+        Failed::Server(e) if !is_connection_error(&e) => Error::query("opening a session", e),
+        other => Error::Connect {
+            target: format!("{} database {db:?}", spec.target()),
+            reason: other.describe(),
+            source: None,
+        },
+    }
+}
+
+/// Makes sure `session` is open on the task's database. Returns false when the task was resolved
+/// otherwise (put back, or recorded) and true when the worker must stop.
+enum Ready {
+    Yes,
+    Resolved,
+    Stop,
+}
+
+async fn ensure_session(id: usize, s: &Shared, session: &mut Option<Session>, task: &Task) -> Ready {
+    let db = &s.plan.fork(&task.range).database;
+    if s.queue.lock().unwrap().gone.contains(db) {
         s.skip(
-            range,
-            SkipReason::DatabaseUnreachable,
-            format!("database {:?} could not be reached", fork.database),
+            id,
+            task.range,
+            SkipReason::DatabaseDropped,
+            format!("database {db:?} was dropped during the run"),
             None,
         );
-        return false;
+        return Ready::Resolved;
     }
-    if session.as_ref().is_none_or(|x| x.database != fork.database) {
-        *session = None;
-        match open_session(s, &fork.database).await {
-            Ok(x) => *session = Some(x),
-            Err(reason) => {
-                if s.deadline_near() {
-                    s.requeue(task, true);
-                    return true;
-                }
-                s.unreachable.lock().unwrap().insert(fork.database.clone());
-                s.skip(range, SkipReason::DatabaseUnreachable, reason, None);
-                return false;
-            }
+    if session.as_ref().is_some_and(|x| &x.database == db) {
+        return Ready::Yes;
+    }
+    *session = None;
+    match open_session(s, db).await {
+        Ok(x) => {
+            *session = Some(x);
+            Ready::Yes
+        }
+        Err(NotOpened::Stopped) => {
+            s.requeue(id, task.clone(), true);
+            Ready::Stop
+        }
+        Err(NotOpened::Gone(reason)) => {
+            info!(database = %db, "the database was dropped during the run: its ranges vanished");
+            s.queue.lock().unwrap().gone.insert(db.clone());
+            s.skip(id, task.range, SkipReason::DatabaseDropped, reason, None);
+            Ready::Resolved
+        }
+        Err(NotOpened::Unreachable(reason)) => {
+            warn!(database = %db, reason = %reason, reconnect_for_s = s.opts.reconnect_for.as_secs(),
+                  "database unreachable: its ranges stay pending (the continuation holds them)");
+            s.queue.lock().unwrap().unreachable.entry(db.clone()).or_insert(reason);
+            s.requeue(id, task.clone(), true);
+            Ready::Resolved
         }
     }
+}
+
+/// Runs one task; returns true when the worker must stop (deadline, stop).
+async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, task: Task) -> bool {
+    if let Some(hook) = &s.opts.before_range {
+        (hook.0)(s.plan.fork(&task.range), &task.range);
+    }
+    match ensure_session(id, s, session, &task).await {
+        Ready::Yes => {}
+        Ready::Resolved => return false,
+        Ready::Stop => return true,
+    }
+    let range = task.range;
+    let fork = s.plan.fork(&range).clone();
     let sess = session.as_mut().unwrap();
     let Some(prewarm) = sess.prewarm.clone() else {
         s.skip(
+            id,
             range,
             SkipReason::NoExtension,
             format!("pg_prewarm's extension is not installed in database {:?}", fork.database),
@@ -376,113 +577,155 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
             capped_by_deadline = true;
         }
     }
-    let timeout_ms = timeout.as_millis().max(1) as u64;
     let role = task.role_override.clone().or_else(|| fork.as_role.clone());
-    let prepared: std::result::Result<(), tokio_postgres::Error> = async {
-        if sess.statement_timeout_ms != timeout_ms {
-            sess.client
-                .query_one(
-                    "SELECT pg_catalog.set_config('statement_timeout', $1, false)",
-                    &[&format!("{timeout_ms}ms")],
-                )
-                .await?;
-            sess.statement_timeout_ms = timeout_ms;
-        }
-        if sess.role != role {
-            match &role {
-                Some(r) => {
-                    sess.client.query_one("SELECT pg_catalog.set_config('role', $1, false)", &[r]).await?;
-                }
-                None => sess.client.batch_execute("RESET ROLE").await?,
-            }
-            sess.role = role.clone();
-        }
-        Ok(())
-    }
-    .await;
-
     let started = Instant::now();
-    let result = match prepared {
-        Err(e) => Err(e),
-        Ok(()) => {
-            sess.client
-                .query_one(
-                    prewarm.as_str(),
-                    &[
-                        &fork.oid,
-                        &s.opts.mode.as_str(),
-                        &fork.fork.as_str(),
-                        &(range.first as i64),
-                        &(range.last as i64),
-                    ],
-                )
-                .await
-        }
-    };
+    let result = read_range(s, sess, &prewarm, &fork, &range, timeout, role).await;
     match result {
-        Ok(row) => {
-            let blocks: i64 = row.get(0);
+        Ok(blocks) => {
             debug!(session = id, database = %fork.database, relation = %fork.name, fork = fork.fork.as_str(),
                    first = range.first, last = range.last, blocks, "range read");
-            s.record(range, RangeResult::Warmed { blocks: blocks as u64, seconds: started.elapsed().as_secs_f64() });
-            s.finish();
+            s.record(range, RangeResult::Warmed { blocks, seconds: started.elapsed().as_secs_f64() });
+            s.release(id);
             false
         }
-        Err(e) if is_connection_error(&e) => {
+        Err(f) => dispose(id, s, session, task, f, capped_by_deadline).await,
+    }
+}
+
+/// The statements of one range: the session's statement_timeout and role as this range needs them,
+/// then pg_prewarm over the range. Each under a client-side bound.
+async fn read_range(
+    s: &Shared,
+    sess: &mut Session,
+    prewarm: &ServerSql,
+    fork: &crate::plan::ForkEntry,
+    range: &BlockRange,
+    timeout: Duration,
+    role: Option<String>,
+) -> std::result::Result<u64, Failed> {
+    let quick = s.within_deadline(client_bound(s.spec.connect_timeout(), s.opts.margin));
+    let timeout_ms = timeout.as_millis().max(1) as u64;
+    if sess.statement_timeout_ms != timeout_ms {
+        let ms = format!("{timeout_ms}ms");
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ms];
+        let set = sess.client.query_one("SELECT pg_catalog.set_config('statement_timeout', $1, false)", &params);
+        bounded(&s.spec, &sess.client, quick, set).await?;
+        sess.statement_timeout_ms = timeout_ms;
+    }
+    if sess.role != role {
+        match &role {
+            Some(r) => {
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [r];
+                let set = sess.client.query_one("SELECT pg_catalog.set_config('role', $1, false)", &params);
+                bounded(&s.spec, &sess.client, quick, set).await?;
+            }
+            None => bounded(&s.spec, &sess.client, quick, sess.client.batch_execute("RESET ROLE")).await?,
+        }
+        sess.role = role;
+    }
+    let (mode, fork_name, first, last) =
+        (s.opts.mode.as_str(), fork.fork.as_str(), range.first as i64, range.last as i64);
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&fork.oid, &mode, &fork_name, &first, &last];
+    let call = sess.client.query_one(prewarm.as_str(), &params);
+    // The client-side bound: a little over the server's, and with a deadline, still before it.
+    let limit = s.within_deadline(client_bound(timeout, s.opts.margin)).max(timeout);
+    let row = bounded_or_stopped(&s.spec, &sess.client, limit, s.opts.stop.as_deref(), call).await?;
+    Ok(row.get::<_, i64>(0) as u64)
+}
+
+/// Decides what happens to a range whose statement failed, by the failure's [`Disposition`], each
+/// cause with its own budget. Returns true when the worker must stop.
+async fn dispose(
+    id: usize,
+    s: &Shared,
+    session: &mut Option<Session>,
+    mut task: Task,
+    f: Failed,
+    capped_by_deadline: bool,
+) -> bool {
+    let range = task.range;
+    let fork = s.plan.fork(&range).clone();
+    if let Failed::Stopped = f {
+        *session = None;
+        s.requeue(id, task, true);
+        return true;
+    }
+    match f.disposition() {
+        Disposition::SessionLost => {
             *session = None;
-            task.attempts += 1;
-            if task.attempts > 8 {
-                s.skip(range, SkipReason::ConnectionLost, describe(&e), None);
+            task.reconnects += 1;
+            if task.reconnects > MAX_RECONNECTS {
+                s.skip(id, range, SkipReason::ConnectionLost, f.describe(), None);
                 return false;
             }
-            warn!(session = id, database = %fork.database, error = %describe(&e), "session lost during a range; it will be retried");
-            s.requeue(task, true);
+            warn!(session = id, database = %fork.database, error = %f.describe(), "session lost during a range; it will be retried");
+            s.requeue(id, task, true);
             false
         }
-        Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-            task.attempts += 1;
-            if task.attempts >= s.opts.lock_attempts {
+        Disposition::DatabaseGone => {
+            *session = None;
+            s.queue.lock().unwrap().gone.insert(fork.database.clone());
+            s.skip(id, range, SkipReason::DatabaseDropped, f.describe(), None);
+            false
+        }
+        Disposition::LockBusy => {
+            task.lock_waits += 1;
+            if task.lock_waits >= s.opts.lock_attempts {
                 s.skip(
+                    id,
                     range,
                     SkipReason::LockTimeout,
-                    format!("could not get a lock within {:?}, {} times", s.opts.lock_timeout, task.attempts),
+                    format!("could not get a lock within {:?}, {} times", s.opts.lock_timeout, task.lock_waits),
                     None,
                 );
             } else {
-                info!(database = %fork.database, relation = %fork.name, attempt = task.attempts, "relation locked; coming back to it later");
+                info!(database = %fork.database, relation = %fork.name, attempt = task.lock_waits, "relation locked; coming back to it later");
                 task.not_before = Some(Instant::now() + s.opts.lock_timeout);
-                s.requeue(task, false);
+                s.requeue(id, task, false);
             }
             false
         }
-        Err(e) if e.code() == Some(&SqlState::QUERY_CANCELED) => {
+        Disposition::ServerBusy => {
+            task.busy_waits += 1;
+            if task.busy_waits > MAX_BUSY_WAITS {
+                s.skip(id, range, SkipReason::Error, f.describe(), None);
+            } else {
+                let wait = Duration::from_secs(1 << task.busy_waits.min(5));
+                warn!(database = %fork.database, error = %f.describe(), retry_in_s = wait.as_secs(), "server short of resources; the range is retried later");
+                task.not_before = Some(Instant::now() + wait);
+                s.requeue(id, task, false);
+            }
+            false
+        }
+        Disposition::Canceled => {
             if capped_by_deadline {
                 // The deadline cut the call short: the range is unfinished, not failed. It goes back
                 // halved, so that a range longer than any call's window still ends: later calls finish
                 // the smaller pieces (a whole range cut by every call would never finish).
                 if range.blocks() > 1 {
                     info!(relation = %fork.name, blocks = range.blocks(), "deadline cut a range; it continues halved");
-                    s.split_front(task);
+                    s.split_front(id, task);
                 } else {
-                    s.requeue(task, true);
+                    s.requeue(id, task, true);
                 }
                 return true;
             }
             if range.blocks() > 1 {
                 info!(relation = %fork.name, blocks = range.blocks(), "statement timeout; splitting the range");
-                s.split_front(task);
+                s.split_front(id, task);
             } else {
-                s.skip(range, SkipReason::StatementTimeout, describe(&e), None);
+                s.skip(id, range, SkipReason::StatementTimeout, f.describe(), None);
             }
             false
         }
-        Err(e) if e.code() == Some(&SqlState::AMBIGUOUS_FUNCTION) => {
+        Disposition::AmbiguousFunction => {
             // Someone created, beside the extension's pg_prewarm, an overload with extra defaulted
             // arguments: PostgreSQL refuses the call (nothing runs). Reported, with the way out.
             s.skip(
+                id,
                 range,
                 SkipReason::Error,
-                format!("{} (another role created an overload of pg_prewarm in the extension's schema)", describe(&e)),
+                format!("{} (another role created an overload of pg_prewarm in the extension's schema)", f.describe()),
                 Some(
                     "drop the pg_prewarm functions that are not members of the extension (\\df pg_prewarm) and \
                      REVOKE CREATE on that schema FROM PUBLIC"
@@ -491,53 +734,51 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, mut task
             );
             false
         }
-        Err(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
-            if role.is_none() && fork.owner_settable {
+        Disposition::Privilege => {
+            if task.role_override.is_none() && fork.as_role.is_none() && fork.owner_settable {
                 task.role_override = Some(fork.owner.clone());
-                s.requeue(task, true);
+                s.requeue(id, task, true);
             } else {
-                s.skip(
-                    range,
-                    SkipReason::Permission,
-                    describe(&e),
-                    Some(format!(
-                        "GRANT pg_read_all_data TO {}",
-                        crate::catalog::quote_ident(&s.plan.server.login_role)
-                    )),
-                );
+                let fix = crate::catalog::read_all_data_fix(&s.plan.server);
+                s.skip(id, range, SkipReason::Permission, f.describe(), Some(fix));
             }
             false
         }
-        Err(e) => reexamine(s, session, task, &e).await,
+        Disposition::Examine => reexamine(id, s, session, task, &f).await,
     }
 }
 
 /// After an unexpected error: find out whether the relation was dropped or shrank, and record or
 /// retry accordingly.
-async fn reexamine(s: &Shared, session: &mut Option<Session>, mut task: Task, err: &tokio_postgres::Error) -> bool {
+async fn reexamine(id: usize, s: &Shared, session: &mut Option<Session>, mut task: Task, err: &Failed) -> bool {
     let range = task.range;
     let fork = s.plan.fork(&range).clone();
     let sess = session.as_ref().unwrap();
-    let looked = sess
-        .client
-        .query_opt(
-            "SELECT coalesce(pg_catalog.pg_relation_size(c.oid, $2), 0) FROM pg_catalog.pg_class c WHERE c.oid = $1",
-            &[&fork.oid, &fork.fork.as_str()],
-        )
-        .await;
+    let fork_name = fork.fork.as_str();
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&fork.oid, &fork_name];
+    let look = sess.client.query_opt(
+        "SELECT coalesce(pg_catalog.pg_relation_size(c.oid, $2), 0) FROM pg_catalog.pg_class c WHERE c.oid = $1",
+        &params,
+    );
+    let limit = s.within_deadline(client_bound(s.opts.statement_timeout, s.opts.margin));
+    let looked = bounded(&s.spec, &sess.client, limit, look).await;
     match looked {
-        Err(e) if is_connection_error(&e) => {
+        Err(f) if f.disposition() == Disposition::SessionLost => {
             *session = None;
-            task.attempts += 1;
-            s.requeue(task, true);
+            task.reconnects += 1;
+            if task.reconnects > MAX_RECONNECTS {
+                s.skip(id, range, SkipReason::ConnectionLost, f.describe(), None);
+            } else {
+                s.requeue(id, task, true);
+            }
         }
-        Err(e) => s.skip(range, SkipReason::Error, format!("{}; then: {}", describe(err), describe(&e)), None),
-        Ok(None) => s.skip(range, SkipReason::Dropped, "dropped during the run".into(), None),
+        Err(f) => s.skip(id, range, SkipReason::Error, format!("{}; then: {}", err.describe(), f.describe()), None),
+        Ok(None) => s.skip(id, range, SkipReason::Dropped, "dropped during the run".into(), None),
         Ok(Some(row)) => {
             let now_blocks = (row.get::<_, i64>(0) as u64) / s.plan.server.block_size;
             if range.first >= now_blocks {
-                s.skip(range, SkipReason::Truncated, format!("relation now has {now_blocks} blocks"), None);
-            } else if range.last >= now_blocks && task.attempts < 3 {
+                s.skip(id, range, SkipReason::Truncated, format!("relation now has {now_blocks} blocks"), None);
+            } else if range.last >= now_blocks && task.rechecks < MAX_RECHECKS {
                 let gone = BlockRange { first: now_blocks, ..range };
                 s.record(
                     gone,
@@ -548,10 +789,10 @@ async fn reexamine(s: &Shared, session: &mut Option<Session>, mut task: Task, er
                     }),
                 );
                 task.range = BlockRange { last: now_blocks - 1, ..range };
-                task.attempts += 1;
-                s.requeue(task, true);
+                task.rechecks += 1;
+                s.requeue(id, task, true);
             } else {
-                s.skip(range, SkipReason::Error, describe(err), None);
+                s.skip(id, range, SkipReason::Error, err.describe(), None);
             }
         }
     }

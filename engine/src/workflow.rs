@@ -166,9 +166,20 @@ impl WorkItem {
         let plan = Arc::new(self.as_plan());
         let ranges = std::mem::take(&mut self.pending);
         let opts = WarmOptions { mode: self.mode, ..opts.clone() };
-        let (outcomes, pending) = warm::warm(spec, plan, ranges, &opts, Arc::new(Counters::default())).await?;
-        self.absorb(&outcomes);
-        self.pending = pending;
+        let warmed = warm::warm(spec, plan, ranges, &opts, Arc::new(Counters::default())).await?;
+        self.absorb(&warmed.outcomes);
+        self.pending = warmed.pending;
+        // The item's database could not be reached for the whole reconnect window: the call fails as
+        // ConnectionFailed, which the state machine retries with backoff (a failover or a reboot). The
+        // ranges this call did read are read again by the retry, from the item as it came in: cheap,
+        // they are hydrated now, and counted once (only the successful call's result counts).
+        if let Some((database, reason)) = warmed.unreachable.into_iter().next() {
+            return Err(Error::Connect {
+                target: format!("database {database:?}"),
+                reason: format!("unreachable for the whole reconnect window, its ranges left for the retry: {reason}"),
+                source: None,
+            });
+        }
         Ok(())
     }
 

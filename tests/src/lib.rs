@@ -572,6 +572,101 @@ impl Drop for CuttingProxy {
     }
 }
 
+/// A TCP proxy that makes connections half-open: once a connection's client has sent `hold_after`
+/// bytes, the proxy stops forwarding in both directions but keeps both sockets open, as a failover,
+/// a dropped NAT entry or a partition does. The first `holds` connections are held; later ones are
+/// forwarded normally. Nothing ever arrives on a held connection, not even the server's own
+/// statement_timeout error, so only a client-side bound ends the wait. `held()` counts them.
+pub struct BlackholeProxy {
+    pub port: u16,
+    held: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl BlackholeProxy {
+    pub async fn start(upstream_port: u16, hold_after: usize, holds: u32) -> BlackholeProxy {
+        use std::sync::atomic::Ordering::SeqCst;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let held = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counter = held.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream_port)).await else {
+                    continue;
+                };
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let gate = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+                    let closed = gate.clone();
+                    let down = tokio::spawn(async move {
+                        let mut buf = vec![0u8; 16384];
+                        loop {
+                            let n = match sr.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            if closed.load(SeqCst) {
+                                // Held: keep the bytes, forward nothing, keep the socket.
+                                std::future::pending::<()>().await;
+                            }
+                            if cw.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                        std::future::pending::<()>().await;
+                    });
+                    let mut sent = 0usize;
+                    let mut buf = vec![0u8; 16384];
+                    loop {
+                        let n = match cr.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if sent + n > hold_after && !gate.load(SeqCst) {
+                            let nth = counter.fetch_add(1, SeqCst);
+                            if nth < holds {
+                                gate.store(true, SeqCst);
+                                // Hold until the client gives up (closes its side).
+                                while let Ok(n) = cr.read(&mut buf).await {
+                                    if n == 0 {
+                                        break;
+                                    }
+                                }
+                                break;
+                            }
+                            counter.fetch_sub(1, SeqCst);
+                            sent = 0;
+                        }
+                        sent += n;
+                        if sw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    down.abort();
+                });
+            }
+        });
+        BlackholeProxy { port, held, task }
+    }
+
+    pub fn held(&self) -> u32 {
+        self.held.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for BlackholeProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// For each warmed fork: every block 0..blocks is in shared_buffers (pg_buffercache), found through
 /// the relation's current file node in its database.
 pub async fn assert_all_blocks_buffered(cluster: &Cluster, r: &pghydrate::report::Report) -> usize {

@@ -91,12 +91,17 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let exclude: Vec<RelationPattern> = r.run.exclude.iter().filter_map(|p| RelationPattern::parse(p).ok()).collect();
     let databases: Vec<String> =
         r.databases.iter().filter(|d| d.outcome == "planned").map(|d| d.name.clone()).collect();
-    let listed = targets(&spec, &databases, |db, qualified| {
-        let (schema, table) = qualified.split_once('.').unwrap_or(("", qualified));
-        exclude.iter().any(|p| p.matches(db, schema, table))
-    })
-    .await?;
-    let todo = from_cursor(listed, &databases, previous.state.as_ref());
+    let listed =
+        targets(&spec, &databases, action, |db, schema, table| exclude.iter().any(|p| p.matches(db, schema, table)))
+            .await;
+    // A database whose tables cannot be listed is reported once, on the first call (later calls
+    // continue from a cursor past it).
+    if previous.state.is_none() {
+        for m in &listed.unlisted {
+            summary.skip(format!("{}: {}", m.database, m.reason.clone().unwrap_or_default()));
+        }
+    }
+    let todo = from_cursor(listed.targets, &databases, previous.state.as_ref());
     let first = todo.first().cloned();
     let opts = MaintainOptions {
         action,
@@ -104,6 +109,7 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
         lock_timeout: deps.db.lock_timeout,
         deadline: Some(until),
         margin: deps.db.margin,
+        stop: None,
     };
     let (results, mut left) = maintain(&spec, todo, &opts).await;
     let progressed = !results.is_empty();
@@ -147,7 +153,7 @@ mod tests {
     use super::*;
 
     fn t(db: &str, oid: u32) -> MaintenanceTarget {
-        MaintenanceTarget { database: db.into(), table: format!("public.t{oid}"), oid }
+        MaintenanceTarget { database: db.into(), table: format!("public.t{oid}"), oid, cut: 0 }
     }
 
     /// Each call continues exactly where the previous one stopped, in the order of the databases

@@ -1,0 +1,398 @@
+//! The engine ends well in every storm, on real servers: a half-open connection (no answer, no close),
+//! a database unreachable for longer than the reconnect window, a database dropped mid-run, a worker
+//! that panics, a maintenance statement longer than any call, and Ctrl-C. Each test fails on the
+//! engine as it was before its fix (hangs, loses work, or skips what is only late). RELIABILITY.md
+//! lists them with their measured results.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pghydrate::catalog::{make_plan, PlanOptions};
+use pghydrate::maintain::{maintain, MaintainOptions, Maintenance, MaintenanceTarget};
+use pghydrate::plan::SkipReason;
+use pghydrate::report;
+use pghydrate::run::{RunOptions, RunState};
+use pghydrate::warm::{Counters, Mode, RangeHook, RangeResult, WarmOptions};
+use pghydrate::ConnectionSpec;
+use pghydrate_tests::{
+    assert_all_blocks_buffered, assert_outcomes_partition_plan, pghydrate_bin, test_tls, BlackholeProxy, Cluster,
+    SUPERUSER_PASSWORD,
+};
+
+fn plan_opts(dbs: &[&str]) -> PlanOptions {
+    PlanOptions {
+        range_blocks: 64,
+        create_extension: true,
+        lock_attempts: 3,
+        include_databases: dbs.iter().map(|d| d.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+fn run_opts(sessions: u32) -> RunOptions {
+    RunOptions {
+        warm: WarmOptions {
+            sessions,
+            mode: Mode::Buffer,
+            lock_timeout: Duration::from_secs(2),
+            margin: Duration::from_secs(4),
+            reconnect_for: Duration::from_secs(20),
+            ..WarmOptions::default()
+        },
+        maintenance: Maintenance::None,
+        maintenance_timeout: Duration::from_secs(60),
+    }
+}
+
+/// Advances the state, failing the test if it does not end within `bound` (a hang is the failure
+/// these tests exist to catch).
+async fn advance_within(spec: &ConnectionSpec, st: &mut RunState, opts: &RunOptions, bound: Duration) -> Duration {
+    let started = Instant::now();
+    let run = st.advance(spec, opts, Arc::new(Counters::default()));
+    tokio::time::timeout(bound, run).await.unwrap_or_else(|_| panic!("the run hung for {bound:?}")).unwrap();
+    started.elapsed()
+}
+
+fn via_proxy(port: u16) -> ConnectionSpec {
+    ConnectionSpec::parse(
+        Some(&format!(
+            "postgresql://postgres:{SUPERUSER_PASSWORD}@127.0.0.1:{port}/postgres?sslmode=verify-full&sslrootcert={}",
+            test_tls().ca.display()
+        )),
+        |_| None,
+    )
+    .unwrap()
+}
+
+/// Half-open connections: the proxy stops forwarding mid-conversation and keeps the sockets open, so
+/// neither the server's statement_timeout nor a close ever arrives. First within a Lambda-like
+/// deadline (10 s): the call returns before it, with what it could not read pending. Then without a
+/// deadline: each held session is given up after its client-side bound, the range is read on a new
+/// session, and the run ends complete, every block once.
+async fn a_half_open_connection_is_noticed_and_the_run_ends_complete(major: u32) {
+    let cluster = Cluster::start(major, &[]);
+    cluster.load_sample("app", 1, None).await;
+    cluster.client("app").await.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
+    let plan = make_plan(&cluster.superuser_spec(), &plan_opts(&["app"])).await.unwrap();
+    let mut st = RunState::new(plan, Mode::Buffer, 2, Maintenance::None);
+
+    // 1. A deadline 10 s away; every connection is held after 6 KB (the handshake passes).
+    let proxy = BlackholeProxy::start(cluster.port, 6000, u32::MAX).await;
+    let mut opts = run_opts(2);
+    opts.warm.deadline = Some(Instant::now() + Duration::from_secs(10));
+    let took = advance_within(&via_proxy(proxy.port), &mut st, &opts, Duration::from_secs(60)).await;
+    assert!(proxy.held() >= 1, "the proxy held nothing: the test did not test");
+    assert!(took < Duration::from_secs(10), "the call ran past its deadline: {took:?}");
+    assert!(!st.pending.is_empty(), "held sessions cannot have finished the run");
+    assert_outcomes_partition_plan(&st);
+    eprintln!("measured: PostgreSQL {major}: deadline call returned after {:.1} s (deadline 10 s), {} connections held, {} ranges pending",
+              took.as_secs_f64(), proxy.held(), st.pending.len());
+    drop(proxy);
+
+    // 2. No deadline: the first two connections are held; statement_timeout 3 s.
+    let proxy = BlackholeProxy::start(cluster.port, 6000, 2).await;
+    let mut opts = run_opts(2);
+    opts.warm.statement_timeout = Duration::from_secs(3);
+    let took = advance_within(&via_proxy(proxy.port), &mut st, &opts, Duration::from_secs(90)).await;
+    assert_eq!(proxy.held(), 2, "both holds must have happened");
+    assert_outcomes_partition_plan(&st);
+    let r = report::build(&st);
+    assert_eq!((r.coverage, r.status.as_str()), (1.0, "complete"));
+    for x in r.relations.iter().filter(|x| x.outcome != "excluded") {
+        assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
+    }
+    assert_all_blocks_buffered(&cluster, &r).await;
+    eprintln!(
+        "measured: PostgreSQL {major}: 2 half-open sessions noticed, run complete in {:.1} s (statement_timeout 3 s)",
+        took.as_secs_f64()
+    );
+}
+
+/// A server down for longer than `reconnect_for` (a failover, a long reboot): the ranges stay pending,
+/// the report says which databases were unreachable and exits 3, and the next call (resume, or the
+/// workflow's retry) reads exactly the rest. A database dropped during the run vanished: it does not
+/// count against coverage and is not retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_database_stays_pending_and_a_dropped_one_vanished() {
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    cluster.load_sample("gone", 1, None).await;
+    let spec = cluster.superuser_spec();
+    let plan = make_plan(&spec, &plan_opts(&["app", "gone"])).await.unwrap();
+    let mut st = RunState::new(plan, Mode::Read, 2, Maintenance::None);
+
+    cluster.stop("fast");
+    let mut opts = run_opts(2);
+    opts.warm.reconnect_for = Duration::from_secs(2);
+    advance_within(&spec, &mut st, &opts, Duration::from_secs(60)).await;
+    assert!(st.outcomes.is_empty(), "nothing could be read, so nothing may be recorded: {:?}", &st.outcomes[..1]);
+    assert_eq!(st.pending.len(), st.plan.ranges.len(), "every range stays pending");
+    assert_eq!(st.unreachable.keys().collect::<Vec<_>>(), ["app", "gone"]);
+    let r = report::build(&st);
+    assert_eq!((r.status.as_str(), r.exit_code), ("stopped_unreachable", 3));
+    assert!(r.summary().contains("unreachable app: cannot connect"), "{}", r.summary());
+    // Through JSON, as a continuation is.
+    let mut st = RunState::from_json(&serde_json::to_string(&st).unwrap()).unwrap();
+
+    cluster.start_again();
+    cluster.client("postgres").await.batch_execute("DROP DATABASE gone WITH (FORCE)").await.unwrap();
+    advance_within(&spec, &mut st, &opts, Duration::from_secs(120)).await;
+    assert_outcomes_partition_plan(&st);
+    assert!(st.unreachable.is_empty());
+    let r = report::build(&st);
+    assert_eq!((r.coverage, r.status.as_str(), r.exit_code), (1.0, "complete", 0));
+    let gone: Vec<_> =
+        r.relations.iter().filter(|x| x.database == "gone" && x.outcome != "excluded" && x.blocks > 0).collect();
+    assert!(!gone.is_empty());
+    for x in gone {
+        assert_eq!(x.reason_code, Some(SkipReason::DatabaseDropped), "{x:?}");
+    }
+    for x in r.relations.iter().filter(|x| x.database == "app" && x.outcome != "excluded") {
+        assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
+    }
+}
+
+/// A worker that panics (a bug) loses nothing: the range it held goes back to the queue and is read
+/// on the next attempt; a range that panics every time is reported as an internal error instead of
+/// looping; no other worker waits forever for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_worker_loses_no_range() {
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let spec = cluster.superuser_spec();
+    let plan = make_plan(&spec, &plan_opts(&["app"])).await.unwrap();
+    let mut st = RunState::new(plan, Mode::Read, 3, Maintenance::None);
+    let once = Arc::new(AtomicU32::new(0));
+    let seen = once.clone();
+    let mut opts = run_opts(3);
+    opts.warm.before_range = Some(RangeHook(Arc::new(move |fork, range| {
+        if fork.name == "customers" && fork.fork == pghydrate::plan::Fork::Main && range.first == 0 {
+            seen.fetch_add(1, Ordering::SeqCst);
+            if seen.load(Ordering::SeqCst) == 1 {
+                panic!("injected: first attempt at customers");
+            }
+        }
+        if fork.name == "tiny" && fork.fork == pghydrate::plan::Fork::Main {
+            panic!("injected: tiny always");
+        }
+    })));
+    advance_within(&spec, &mut st, &opts, Duration::from_secs(120)).await;
+    assert_outcomes_partition_plan(&st);
+    assert_eq!(once.load(Ordering::SeqCst), 2, "customers' first range: one panic, then read");
+    let r = report::build(&st);
+    for x in r.relations.iter().filter(|x| x.database == "app" && x.outcome != "excluded") {
+        if x.name == "tiny" && x.fork == "main" {
+            assert_eq!(x.outcome, "skipped", "{x:?}");
+            assert!(x.reason.as_deref().unwrap_or("").contains("internal error: injected"), "{x:?}");
+        } else {
+            assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
+        }
+    }
+}
+
+/// A maintenance statement longer than any call (VACUUM of a large lazily-loaded table, here an
+/// ANALYZE slowed by an expression index): the first cut puts it back, the second reports it with the
+/// statement to run from a host. Before, it went back to the front of every later call, forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_maintenance_statement_longer_than_a_call_is_reported_not_retried_forever() {
+    let cluster = Cluster::start(15, &[]);
+    let c = cluster.client("postgres").await;
+    c.batch_execute(
+        "CREATE FUNCTION slow(i int) RETURNS int LANGUAGE sql IMMUTABLE AS 'SELECT i FROM (SELECT pg_sleep(0.01)) s';
+         CREATE TABLE \"sl'ow\" AS SELECT g AS id FROM generate_series(1, 600) g;
+         CREATE INDEX ON \"sl'ow\" (slow(id));
+         CREATE TABLE quick AS SELECT 1 AS id;",
+    )
+    .await
+    .unwrap();
+    let oid = |name: &str| {
+        let c = &c;
+        let name = name.to_string();
+        async move { c.query_one("SELECT $1::text::regclass::oid", &[&name]).await.unwrap().get::<_, u32>(0) }
+    };
+    let mut pending = vec![
+        MaintenanceTarget {
+            database: "postgres".into(),
+            table: "public.sl'ow".into(),
+            oid: oid("\"sl'ow\"").await,
+            cut: 0,
+        },
+        MaintenanceTarget {
+            database: "postgres".into(),
+            table: "public.quick".into(),
+            oid: oid("quick").await,
+            cut: 0,
+        },
+    ];
+    let spec = cluster.superuser_spec();
+    let mut results = Vec::new();
+    let mut calls = 0;
+    while !pending.is_empty() {
+        calls += 1;
+        assert!(calls <= 3, "still not done after {calls} calls: {pending:?}");
+        let opts = MaintainOptions {
+            action: Maintenance::Analyze,
+            statement_timeout: Duration::from_secs(3600),
+            lock_timeout: Duration::from_secs(2),
+            deadline: Some(Instant::now() + Duration::from_secs(3)),
+            margin: Duration::from_secs(1),
+            stop: None,
+        };
+        let (r, left) = maintain(&spec, std::mem::take(&mut pending), &opts).await;
+        results.extend(r);
+        pending = left;
+    }
+    // Call 1: cut, put back. Call 2: cut again, reported; the deadline is then within the margin, so
+    // quick goes to call 3, where it is done. Before, every call was call 1 again.
+    assert_eq!(calls, 3);
+    let slow = results.iter().find(|m| m.table == "public.sl'ow").unwrap();
+    assert_eq!(slow.outcome, "skipped");
+    let why = slow.reason.as_deref().unwrap();
+    assert!(why.contains(r#"ANALYZE public."sl'ow""#) && why.contains("from a host"), "{why}");
+    assert_eq!(results.iter().find(|m| m.table == "public.quick").unwrap().outcome, "done");
+}
+
+/// Ctrl-C (SIGINT) while a statement hangs on a half-open connection: the run stops at once, cancels
+/// what is in flight, writes the report and the continuation and exits 5; `resume` reads exactly the
+/// rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_writes_the_continuation_and_resume_finishes() {
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    // Held after 20 KB: past planning (a few KB per connection), well inside the warm phase.
+    let proxy = BlackholeProxy::start(cluster.port, 20_000, 1).await;
+    let dir = cluster.dir().to_path_buf();
+    let cont = dir.join("cont.json");
+    let report_path = dir.join("r.json");
+    let url = format!(
+        "postgresql://postgres:{SUPERUSER_PASSWORD}@127.0.0.1:{}/app?sslmode=verify-full&sslrootcert={}",
+        proxy.port,
+        test_tls().ca.display()
+    );
+    let child = std::process::Command::new(pghydrate_bin())
+        .args(["run", &url, "--include-database", "app", "--sessions", "2", "--range-blocks", "64"])
+        .args(["--maintenance", "none", "--progress", "none", "--continuation", cont.to_str().unwrap()])
+        .args(["--report", report_path.to_str().unwrap()])
+        .current_dir(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until a session is held (the run cannot end by itself now: statement_timeout is 5 min).
+    let waited = Instant::now();
+    while proxy.held() == 0 {
+        assert!(waited.elapsed() < Duration::from_secs(60), "nothing was held");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let signalled = Instant::now();
+    assert!(std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let stopped_in = signalled.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "stderr:\n{stderr}");
+    assert!(stopped_in < Duration::from_secs(30), "stopping took {stopped_in:?}");
+    assert!(stderr.contains("stopped by a signal") && stderr.contains("pghydrate resume"), "{stderr}");
+    let r: report::Report = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
+    assert_eq!(r.status, "interrupted");
+    let st = RunState::from_json(&std::fs::read_to_string(&cont).unwrap()).unwrap();
+    assert!(!st.pending.is_empty(), "the held range must be pending");
+    assert_outcomes_partition_plan(&st);
+    eprintln!(
+        "measured: SIGINT to exit 5 in {:.2} s with {} ranges pending",
+        stopped_in.as_secs_f64(),
+        st.pending.len()
+    );
+
+    let direct = cluster.superuser_url("app");
+    let (code, stdout, stderr) = pghydrate_tests::cli(
+        &["resume", cont.to_str().unwrap(), &direct, "--report", report_path.to_str().unwrap(), "--progress", "none"],
+        &dir,
+    );
+    assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let r: report::Report = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
+    assert_eq!((r.coverage, r.status.as_str()), (1.0, "complete"));
+    for x in r.relations.iter().filter(|x| x.outcome != "excluded") {
+        assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
+    }
+}
+
+/// `resume` honours --sessions / --mode / --maintenance (they used to be ignored silently) and refuses
+/// a --time-limit not longer than --margin, as `run` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_honours_its_flags() {
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let dir = cluster.dir().to_path_buf();
+    let cont = dir.join("cont.json");
+    let url = cluster.superuser_url("postgres");
+    let (code, _, stderr) = pghydrate_tests::cli(
+        &["run", &url, "--time-limit", "2s", "--margin", "1990ms", "--continuation", cont.to_str().unwrap()],
+        &dir,
+    );
+    assert_eq!(code, 5, "{stderr}");
+    let (code, _, stderr) =
+        pghydrate_tests::cli(&["resume", cont.to_str().unwrap(), &url, "--time-limit", "10s", "--margin", "30s"], &dir);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--time-limit"), "{stderr}");
+    let report_path = dir.join("r.json");
+    let (code, stdout, stderr) = pghydrate_tests::cli(
+        &["resume", cont.to_str().unwrap(), &url, "--sessions", "1", "--mode", "prefetch", "--maintenance", "none"],
+        &dir,
+    );
+    let _ = report_path;
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(stdout.contains("mode prefetch, 1 sessions"), "{stdout}");
+    assert!(!stdout.contains("maintenance ("), "--maintenance none was honoured: {stdout}");
+}
+
+/// `RunResult` names, checked here so that a rename breaks a test, not a report reader.
+#[test]
+fn the_new_reason_is_a_stable_name() {
+    assert_eq!(serde_json::to_value(SkipReason::DatabaseDropped).unwrap(), "database_dropped");
+    assert!(SkipReason::DatabaseDropped.vanished());
+    let _ = RangeResult::Warmed { blocks: 1, seconds: 0.0 };
+}
+
+macro_rules! on_versions {
+    ($($test:ident),*) => {
+        $(
+            mod $test {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg15() { super::$test(15).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg18() { super::$test(18).await }
+            }
+        )*
+    };
+}
+
+on_versions!(a_half_open_connection_is_noticed_and_the_run_ends_complete);
+
+/// The workflow's Warm call, same fault: a database unreachable for the whole reconnect window fails
+/// the call as `ConnectionFailed`, which the state machine's Retry names (5 attempts, 5 s doubling);
+/// the retry starts from the item as it came in. Before, the call succeeded with every range skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_call_whose_database_stays_unreachable_fails_retryably() {
+    use pghydrate::workflow::{call_options, plan_items, Defaults, RunConfig};
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let spec = cluster.superuser_spec();
+    let trigger = pghydrate::events::parse_input(
+        &serde_json::json!({"instance": "local", "mode": "read", "include_databases": ["app"]}),
+        None,
+        None,
+    )
+    .unwrap();
+    let defaults = Defaults::from_env(|_| None).unwrap();
+    let (_, items) = plan_items(&spec, &RunConfig::new("exec-down", trigger, &defaults)).await.unwrap();
+    cluster.stop("fast");
+    let mut item = items[0].clone();
+    let mut opts = call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(5));
+    opts.reconnect_for = Duration::from_secs(2);
+    let e = item.advance(&spec, &opts).await.unwrap_err();
+    assert_eq!(e.name(), "ConnectionFailed", "{e}");
+    assert!(e.is_retryable(), "{e}");
+    assert!(e.to_string().contains("\"app\""), "{e}");
+}
