@@ -223,10 +223,8 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         for listed in db_forks {
             let shared = listed.kind_is_shared;
             let mut f = listed.entry;
-            let (schema, table) = f.table.split_once('.').unwrap_or(("", &f.table));
-            let (schema, table) = (schema.to_string(), table.to_string());
-            let included = opts.include.is_empty() || opts.include.iter().any(|p| p.matches(&d.name, &schema, &table));
-            let excluded = opts.exclude.iter().any(|p| p.matches(&d.name, &schema, &table));
+            let included = opts.include.is_empty() || opts.include.iter().any(|p| f.matched_by(p));
+            let excluded = opts.exclude.iter().any(|p| f.matched_by(p));
             if !included || excluded {
                 f.excluded = true;
             } else if let Some(problem) = &ext_problem {
@@ -251,10 +249,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
     let forks = read_shared_once(forks, &shared_keys);
 
     for p in opts.include.iter().chain(&opts.first) {
-        let hit = forks.iter().any(|f| {
-            let (schema, table) = f.table.split_once('.').unwrap_or(("", &f.table));
-            p.matches(&f.database, schema, table)
-        });
+        let hit = forks.iter().any(|f| f.matched_by(p));
         if !hit {
             return Err(Error::InvalidInput(format!("relation pattern {:?} matches no relation", p.text)));
         }
@@ -412,6 +407,23 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
     } else {
         "'run pghydrate as a superuser (pg_read_all_data exists from PostgreSQL 14 on)'"
     };
+    // A partition's ancestors up to the root (PostgreSQL 12+: pg_partition_ancestors), so that a pattern
+    // naming a partitioned table matches its partitions. Before 12, partitions match by their own name.
+    let ancestors = |column: &str| {
+        if server.major() >= 12 {
+            format!(
+                "CASE WHEN coalesce(owner_tbl.relispartition, b.relispartition) THEN
+                   (SELECT pg_catalog.array_agg({column} ORDER BY a.n)
+                      FROM pg_catalog.pg_partition_ancestors(coalesce(owner_tbl.oid, b.oid)) WITH ORDINALITY a(relid, n)
+                      JOIN pg_catalog.pg_class ac ON ac.oid = a.relid::oid
+                      JOIN pg_catalog.pg_namespace an ON an.oid = ac.relnamespace
+                     WHERE a.relid::oid <> coalesce(owner_tbl.oid, b.oid)) END"
+            )
+        } else {
+            "NULL::text[]".to_string()
+        }
+    };
+    let (ancestor_schemas, ancestor_names) = (ancestors("an.nspname::text"), ancestors("ac.relname::text"));
     let sql = format!(
         "WITH rels AS (
            SELECT c.oid, c.relnamespace, c.relname, c.relkind, c.relisshared, c.relowner, c.relpages,
@@ -440,7 +452,10 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
                      WHEN (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = r.relowner)
                        THEN {superuser_owned_fix}
                      ELSE format('GRANT %I TO %I', pg_catalog.pg_get_userbyid(r.relowner), current_user) END,
-                r.relpages::int8
+                r.relpages::int8,
+                tn.nspname::text,
+                {ancestor_schemas},
+                {ancestor_names}
            FROM rels r
            JOIN pg_catalog.pg_namespace rn ON rn.oid = r.relnamespace
            JOIN pg_catalog.pg_class b ON b.oid = r.base_oid
@@ -519,6 +534,12 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
                 }),
             )
         };
+        let table_schema: String = row.get(17);
+        let partition_of: Vec<[String; 2]> = {
+            let schemas: Vec<String> = row.get::<_, Option<Vec<String>>>(18).unwrap_or_default();
+            let names: Vec<String> = row.get::<_, Option<Vec<String>>>(19).unwrap_or_default();
+            schemas.into_iter().zip(names).map(|(s, n)| [s, n]).collect()
+        };
         let mut sizes: [Option<i64>; 4] = [row.get(8), row.get(9), row.get(10), row.get(11)];
         let mut planned_skip = planned_skip;
         if sizes[0].is_none() {
@@ -559,6 +580,8 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
                     owner_settable: owner_settable && !owner_is_super,
                     planned_skip: planned_skip.clone(),
                     excluded: false,
+                    table_schema: Some(table_schema.clone()).filter(|t| *t != schema),
+                    partition_of: partition_of.clone(),
                 },
             });
         }
@@ -613,6 +636,8 @@ mod tests {
             owner_settable: false,
             planned_skip: skipped.then(|| Skip { reason: SkipReason::NoExtension, detail: String::new(), fix: None }),
             excluded: false,
+            table_schema: None,
+            partition_of: Vec::new(),
         }
     }
 

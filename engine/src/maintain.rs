@@ -31,6 +31,10 @@ pub struct MaintenanceTarget {
     /// run from a host: a statement longer than any call is never retried forever.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub cut: u32,
+    /// A partition whose partitioned ancestor is maintained too: that ANALYZE recurses into it, so
+    /// the partition gets VACUUM only (or nothing, when the action is ANALYZE: it is not a target).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub vacuum_only: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -81,15 +85,21 @@ pub async fn targets(
     for db in databases {
         let listed = async {
             let client = spec.connect(db).await?;
-            let list = client.query(
-                "SELECT c.oid, n.nspname::text, c.relname::text
+            let ancestors = if client_version(&client).await >= 120000 {
+                "CASE WHEN c.relispartition THEN (SELECT pg_catalog.array_agg(a.relid::oid)
+                   FROM pg_catalog.pg_partition_ancestors(c.oid) a WHERE a.relid::oid <> c.oid) END"
+            } else {
+                "NULL::oid[]"
+            };
+            let sql = format!(
+                "SELECT c.oid, n.nspname::text, c.relname::text, {ancestors}, c.relkind = 'p'
                    FROM pg_catalog.pg_class c
                    JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
                   WHERE c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'
                     AND n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg\\_toast%'
-                  ORDER BY c.oid",
-                &[],
+                  ORDER BY c.oid"
             );
+            let list = client.query(&sql, &[]);
             bounded(spec, &client, client_bound(spec.statement_timeout(), Duration::from_secs(30)), list)
                 .await
                 .map_err(|f| f.describe())
@@ -97,16 +107,41 @@ pub async fn targets(
         };
         match listed.await {
             Ok(rows) => {
-                for r in rows {
-                    let (oid, schema, name): (u32, String, String) = (r.get(0), r.get(1), r.get(2));
-                    if excluded(db, &schema, &name) {
+                let partitioned: std::collections::HashSet<u32> =
+                    rows.iter().filter(|r| r.get::<_, bool>(4)).map(|r| r.get::<_, u32>(0)).collect();
+                let rows: Vec<(u32, String, String, Vec<u32>)> = rows
+                    .iter()
+                    .map(|r| (r.get(0), r.get(1), r.get(2), r.get::<_, Option<Vec<u32>>>(3).unwrap_or_default()))
+                    .collect();
+                // A partition follows its partitioned ancestors: excluding `orders` excludes its partitions.
+                let names: std::collections::HashMap<u32, (&str, &str)> =
+                    rows.iter().map(|(o, s, n, _)| (*o, (s.as_str(), n.as_str()))).collect();
+                let is_excluded = |schema: &str, name: &str, ancestors: &[u32]| {
+                    excluded(db, schema, name)
+                        || ancestors.iter().filter_map(|a| names.get(a)).any(|(s, n)| excluded(db, s, n))
+                };
+                let mut listed = Vec::new();
+                for (oid, schema, name, ancestors) in &rows {
+                    if !is_excluded(schema, name, ancestors) {
+                        listed.push((*oid, format!("{schema}.{name}"), ancestors.clone()));
+                    }
+                }
+                // ANALYZE of a partitioned table recurses into its partitions: a partition whose
+                // ancestor is maintained is not analyzed again on its own.
+                let maintained: std::collections::HashSet<u32> = listed.iter().map(|(o, _, _)| *o).collect();
+                for (oid, table, ancestors) in listed {
+                    let covered = ancestors.iter().any(|a| maintained.contains(a));
+                    // A covered partition has nothing left to do but VACUUM, and a covered
+                    // partitioned table (no storage of its own) nothing at all.
+                    if covered && (action != Maintenance::VacuumAnalyze || partitioned.contains(&oid)) {
                         continue;
                     }
                     out.targets.push(MaintenanceTarget {
                         database: db.clone(),
-                        table: format!("{schema}.{name}"),
+                        table,
                         oid,
                         cut: 0,
+                        vacuum_only: covered,
                     });
                 }
             }
@@ -124,6 +159,13 @@ pub async fn targets(
         }
     }
     out
+}
+
+async fn client_version(client: &tokio_postgres::Client) -> i32 {
+    match client.query_one("SELECT current_setting('server_version_num')::int4", &[]).await {
+        Ok(row) => row.get(0),
+        Err(_) => 0,
+    }
 }
 
 impl Maintenance {
@@ -218,7 +260,7 @@ pub async fn maintain(
                 &params,
             );
             bounded(spec, client, quick, set).await?;
-            let built = bounded(spec, client, quick, maintenance_statement(client, t.oid, vacuum, *version)).await?;
+            let built = bounded(spec, client, quick, maintenance_statement(client, t.oid, vacuum, t.vacuum_only, *version)).await?;
             let Some(st) = built else {
                 return Ok((planned_action, Some("dropped during the run (no such table any more)".to_string())));
             };

@@ -142,6 +142,32 @@ pub struct ForkEntry {
     /// Excluded by the user's patterns: listed, never read, not counted in coverage.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub excluded: bool,
+    /// The schema of the table in `table`, where it is not `schema` (TOAST relations, which live in
+    /// pg_toast): with it `table` splits into schema and name exactly, whatever dots the names hold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table_schema: Option<String>,
+    /// When the table is a partition: its ancestors up to the partition root, each [schema, name]. A
+    /// pattern naming a partitioned table matches its partitions (and their indexes and TOAST).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partition_of: Vec<[String; 2]>,
+}
+
+impl ForkEntry {
+    /// The schema and name of the table this fork belongs to.
+    pub fn table_parts(&self) -> (&str, &str) {
+        let schema = self.table_schema.as_deref().unwrap_or(&self.schema);
+        match self.table.strip_prefix(schema).and_then(|rest| rest.strip_prefix('.')) {
+            Some(name) => (schema, name),
+            None => self.table.split_once('.').unwrap_or(("", &self.table)),
+        }
+    }
+
+    /// Whether `pattern` names this fork's table, or a partitioned table it is a partition of.
+    pub fn matched_by(&self, pattern: &RelationPattern) -> bool {
+        let (schema, table) = self.table_parts();
+        pattern.matches(&self.database, schema, table)
+            || self.partition_of.iter().any(|[s, n]| pattern.matches(&self.database, s, n))
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -248,10 +274,7 @@ pub fn split_blocks(blocks: u64, range_blocks: u64) -> Vec<(u64, u64)> {
 pub fn order_ranges(forks: &[ForkEntry], first: &[RelationPattern], range_blocks: u64) -> Vec<BlockRange> {
     let mut readable: Vec<(usize, &ForkEntry)> =
         forks.iter().enumerate().filter(|(_, f)| f.planned_skip.is_none() && !f.excluded && f.blocks > 0).collect();
-    let priority = |f: &ForkEntry| -> usize {
-        let (schema, table) = f.table.split_once('.').unwrap_or(("", &f.table));
-        first.iter().position(|p| p.matches(&f.database, schema, table)).unwrap_or(first.len())
-    };
+    let priority = |f: &ForkEntry| -> usize { first.iter().position(|p| f.matched_by(p)).unwrap_or(first.len()) };
     readable.sort_by(|(ia, a), (ib, b)| {
         let pa = priority(a);
         let pb = priority(b);
@@ -292,6 +315,8 @@ mod tests {
             owner_settable: false,
             planned_skip: None,
             excluded: false,
+            table_schema: None,
+            partition_of: Vec::new(),
         }
     }
 

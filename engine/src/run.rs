@@ -157,15 +157,20 @@ impl RunState {
             None => {
                 let databases: Vec<String> =
                     self.plan.databases.iter().filter(|d| d.outcome == "planned").map(|d| d.name.clone()).collect();
-                let excluded: std::collections::HashSet<(&str, String)> = self
-                    .plan
-                    .forks
-                    .iter()
-                    .filter(|f| f.excluded)
-                    .map(|f| (f.database.as_str(), f.table.clone()))
-                    .collect();
+                // Excluded: the tables of excluded forks, and a partitioned table all of whose
+                // partitions are excluded (its ANALYZE would read them).
+                let parents = |f: &'_ crate::plan::ForkEntry| {
+                    f.partition_of.iter().map(|[s, n]| (f.database.clone(), format!("{s}.{n}"))).collect::<Vec<_>>()
+                };
+                let kept_parents: std::collections::HashSet<(String, String)> =
+                    self.plan.forks.iter().filter(|f| !f.excluded).flat_map(parents).collect();
+                let mut excluded: std::collections::HashSet<(String, String)> = std::collections::HashSet::new();
+                for f in self.plan.forks.iter().filter(|f| f.excluded) {
+                    excluded.insert((f.database.clone(), f.table.clone()));
+                    excluded.extend(parents(f).into_iter().filter(|p| !kept_parents.contains(p)));
+                }
                 let listed = maintain::targets(spec, &databases, self.maintenance, |db, schema, name| {
-                    excluded.contains(&(db, format!("{schema}.{name}")))
+                    excluded.contains(&(db.to_string(), format!("{schema}.{name}")))
                 })
                 .await;
                 self.maintenance_results.extend(listed.unlisted);

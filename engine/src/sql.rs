@@ -47,16 +47,8 @@ impl ServerSql {
     }
 }
 
-/// pg_prewarm as its extension installed it: the function that is a member of the extension
-/// `pg_prewarm` (pg_depend, deptype 'e') with pg_prewarm's exact signature. Never a lookup by name in
-/// a schema, which may be writable. Returns the schema it lives in (a label) and the call, with every
-/// argument cast to the exact parameter type so that no other overload in that schema can be a
-/// better match.
-pub(crate) async fn prewarm_call(client: &Client) -> Result<Option<(String, ServerSql)>, tokio_postgres::Error> {
-    const FIND: &str = "SELECT n.nspname::text,
-              format('SELECT %I.%I($1::pg_catalog.oid::pg_catalog.regclass, $2::pg_catalog.text, '
-                     '$3::pg_catalog.text, $4::pg_catalog.int8, $5::pg_catalog.int8)', n.nspname, p.proname)
-         FROM pg_catalog.pg_extension e
+/// The function that is a member of the extension `pg_prewarm` with pg_prewarm's exact signature.
+const PREWARM_FUNCTION: &str = "FROM pg_catalog.pg_extension e
          JOIN pg_catalog.pg_depend d ON d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass
                                      AND d.refobjid = e.oid AND d.deptype = 'e'
                                      AND d.classid = 'pg_catalog.pg_proc'::pg_catalog.regclass
@@ -65,7 +57,34 @@ pub(crate) async fn prewarm_call(client: &Client) -> Result<Option<(String, Serv
         WHERE e.extname = 'pg_prewarm' AND p.proname = 'pg_prewarm'
           AND p.proargtypes = '2205 25 25 20 20'::pg_catalog.oidvector  -- regclass, text, text, int8, int8
           AND p.prorettype = 'pg_catalog.int8'::pg_catalog.regtype";
-    Ok(client.query_opt(FIND, &[]).await?.map(|row| (row.get(0), ServerSql::from_row(&row, 1))))
+
+/// pg_prewarm as its extension installed it: the function that is a member of the extension
+/// `pg_prewarm` (pg_depend, deptype 'e') with pg_prewarm's exact signature. Never a lookup by name in
+/// a schema, which may be writable. Returns the schema it lives in (a label) and the call, with every
+/// argument cast to the exact parameter type so that no other overload in that schema can be a
+/// better match.
+pub(crate) async fn prewarm_call(client: &Client) -> Result<Option<(String, ServerSql)>, tokio_postgres::Error> {
+    let find = format!(
+        "SELECT n.nspname::text,
+              format('SELECT %I.%I($1::pg_catalog.oid::pg_catalog.regclass, $2::pg_catalog.text, '
+                     '$3::pg_catalog.text, $4::pg_catalog.int8, $5::pg_catalog.int8)', n.nspname, p.proname)
+         {PREWARM_FUNCTION}"
+    );
+    Ok(client.query_opt(&find, &[]).await?.map(|row| (row.get(0), ServerSql::from_row(&row, 1))))
+}
+
+/// The same function as [`prewarm_call`], called once per element of arrays: `$1` oids, `$2` the mode,
+/// `$3` forks, `$4` first and `$5` last blocks. Returns (ordinal, blocks read) rows, in order. Every
+/// argument is cast to the exact parameter type; `unnest` is the catalog's.
+pub(crate) async fn prewarm_batch_call(client: &Client) -> Result<Option<ServerSql>, tokio_postgres::Error> {
+    let find = format!(
+        "SELECT format('SELECT u.i, %I.%I(u.r::pg_catalog.regclass, $2::pg_catalog.text, u.f, u.a, u.b)
+                FROM pg_catalog.unnest($1::pg_catalog.oid[], $3::pg_catalog.text[], $4::pg_catalog.int8[],
+                                       $5::pg_catalog.int8[]) WITH ORDINALITY AS u(r, f, a, b, i)
+               ORDER BY u.i', n.nspname, p.proname)
+         {PREWARM_FUNCTION}"
+    );
+    Ok(client.query_opt(&find, &[]).await?.map(|row| ServerSql::from_row(&row, 0)))
 }
 
 /// A table to maintain as the server sees it now, looked up by oid.
@@ -76,16 +95,19 @@ pub(crate) struct MaintenanceStatement {
     pub allowed: bool,
 }
 
-/// Builds `ANALYZE schema.table` or `VACUUM ANALYZE schema.table` for `oid`, quoted by the server,
-/// from the catalog as it is now. None: no such table any more (dropped, or not a table).
+/// Builds `ANALYZE schema.table`, `VACUUM ANALYZE schema.table` or (`vacuum_only`: a partition whose
+/// partitioned parent's ANALYZE covers it) `VACUUM schema.table` for `oid`, quoted by the server, from
+/// the catalog as it is now. None: no such table any more (dropped, or not a table).
 pub(crate) async fn maintenance_statement(
     client: &Client,
     oid: u32,
     vacuum: bool,
+    vacuum_only: bool,
     server_version_num: i32,
 ) -> Result<Option<MaintenanceStatement>, tokio_postgres::Error> {
     const BEFORE_17: &str = "SELECT format('%s %I.%I',
-                    CASE WHEN $2 AND c.relkind <> 'p' THEN 'VACUUM ANALYZE' ELSE 'ANALYZE' END, n.nspname, c.relname),
+                    CASE WHEN $2 AND c.relkind <> 'p' THEN (CASE WHEN $3 THEN 'VACUUM' ELSE 'VACUUM ANALYZE' END)
+                         ELSE 'ANALYZE' END, n.nspname, c.relname),
                   $2 AND c.relkind <> 'p',
                   pg_has_role(c.relowner, 'USAGE') OR pg_has_role(d.datdba, 'USAGE')
                     OR (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user)
@@ -94,16 +116,21 @@ pub(crate) async fn maintenance_statement(
              JOIN pg_catalog.pg_database d ON d.datname = current_database()
             WHERE c.oid = $1 AND c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'";
     const FROM_17: &str = "SELECT format('%s %I.%I',
-                    CASE WHEN $2 AND c.relkind <> 'p' THEN 'VACUUM ANALYZE' ELSE 'ANALYZE' END, n.nspname, c.relname),
+                    CASE WHEN $2 AND c.relkind <> 'p' THEN (CASE WHEN $3 THEN 'VACUUM' ELSE 'VACUUM ANALYZE' END)
+                         ELSE 'ANALYZE' END, n.nspname, c.relname),
                   $2 AND c.relkind <> 'p',
                   has_table_privilege(c.oid, 'MAINTAIN')
              FROM pg_catalog.pg_class c
              JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
             WHERE c.oid = $1 AND c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'";
     let sql = if server_version_num >= 170000 { FROM_17 } else { BEFORE_17 };
-    Ok(client.query_opt(sql, &[&oid, &vacuum]).await?.map(|row| MaintenanceStatement {
+    Ok(client.query_opt(sql, &[&oid, &vacuum, &vacuum_only]).await?.map(|row| MaintenanceStatement {
         sql: ServerSql::from_row(&row, 0),
-        action: if row.get::<_, bool>(1) { "VACUUM ANALYZE" } else { "ANALYZE" },
+        action: match (row.get::<_, bool>(1), vacuum_only) {
+            (true, true) => "VACUUM",
+            (true, false) => "VACUUM ANALYZE",
+            _ => "ANALYZE",
+        },
         allowed: row.get(2),
     }))
 }

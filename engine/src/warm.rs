@@ -16,7 +16,7 @@ use crate::bounded::{bounded, bounded_or_stopped, client_bound, Failed};
 use crate::connect::ConnectionSpec;
 use crate::error::{is_connection_error, Disposition, Error, Result};
 use crate::plan::{BlockRange, Plan, ServerInfo, Skip, SkipReason};
-use crate::sql::{prewarm_call, ServerSql};
+use crate::sql::{prewarm_batch_call, prewarm_call, ServerSql};
 
 /// pg_prewarm's modes. `read` and `buffer` read every block synchronously (verified hydration);
 /// `prefetch` only asks the kernel (posix_fadvise) and returns before the I/O is done.
@@ -168,6 +168,8 @@ struct Task {
     panics: u32,
     role_override: Option<String>,
     not_before: Option<Instant>,
+    /// Read on its own from now on (a batch it was in failed).
+    alone: bool,
 }
 
 impl Task {
@@ -181,9 +183,19 @@ impl Task {
             panics: 0,
             role_override: None,
             not_before: None,
+            alone: false,
         }
     }
 }
+
+/// Small forks are read many to a statement: at 100,000 relations most forks are one or two blocks,
+/// and one round trip each (plus SET ROLE when owners alternate) costs more than reading them. A
+/// batch holds whole forks of at most [`BATCH_FORK_BLOCKS`] blocks of one database, read as one role.
+const BATCH_FORK_BLOCKS: u64 = 16;
+const BATCH_MAX: usize = 64;
+/// How far past the first task `next` looks for more of a batch (the plan orders small forks by
+/// database, so they are near each other).
+const BATCH_WINDOW: usize = 1024;
 
 struct Queue {
     tasks: VecDeque<Task>,
@@ -201,8 +213,8 @@ struct Shared {
     queue: Mutex<Queue>,
     outcomes: Mutex<Vec<RangeOutcome>>,
     counters: Arc<Counters>,
-    /// The task each worker holds, so that a worker that panics loses nothing.
-    in_hand: Vec<Mutex<Option<Task>>>,
+    /// The tasks each worker holds, so that a worker that panics loses nothing.
+    in_hand: Vec<Mutex<Vec<Task>>>,
 }
 
 /// Reads `ranges` of `plan`. Returns the outcomes recorded and the ranges left pending (the deadline
@@ -234,7 +246,7 @@ pub async fn warm(
         }),
         outcomes: Mutex::new(Vec::new()),
         counters,
-        in_hand: (0..workers).map(|_| Mutex::new(None)).collect(),
+        in_hand: (0..workers).map(|_| Mutex::new(Vec::new())).collect(),
     });
     let mut handles = Vec::new();
     for id in 0..workers {
@@ -249,7 +261,7 @@ pub async fn warm(
     }
     // Whatever a worker still held (it could not finish) goes back: nothing is lost.
     for slot in &shared.in_hand {
-        if let Some(t) = slot.lock().unwrap().take() {
+        for t in std::mem::take(&mut *slot.lock().unwrap()) {
             shared.queue.lock().unwrap().tasks.push_front(t);
         }
     }
@@ -266,10 +278,13 @@ struct Session {
     prewarm: Option<ServerSql>,
     role: Option<String>,
     statement_timeout_ms: u64,
+    /// The batch call of pg_prewarm as this session's server resolved it, once asked for.
+    batch: Option<ServerSql>,
 }
 
 enum Next {
-    Run(Task),
+    /// One task, or a batch of small whole forks of one database, read as one role.
+    Run(Vec<Task>),
     Wait,
     Done,
 }
@@ -310,9 +325,24 @@ impl Shared {
         };
         if let Some(pos) = pos {
             let t = q.tasks.remove(pos).unwrap();
-            q.in_flight += 1;
-            *self.in_hand[worker].lock().unwrap() = Some(t.clone());
-            return Next::Run(t);
+            let mut taken = vec![t];
+            // More of a batch: only in the database the worker's session is already in.
+            if current == Some(self.plan.fork(&taken[0].range).database.as_str()) && self.batchable(&taken[0], now) {
+                let mut i = pos;
+                let end = (pos + BATCH_WINDOW).min(q.tasks.len());
+                let mut end = end;
+                while i < end && taken.len() < BATCH_MAX {
+                    if self.batchable(&q.tasks[i], now) && self.same_batch(&taken[0], &q.tasks[i]) {
+                        taken.push(q.tasks.remove(i).unwrap());
+                        end -= 1;
+                    } else {
+                        i += 1;
+                    }
+                }
+            }
+            q.in_flight += taken.len();
+            *self.in_hand[worker].lock().unwrap() = taken.clone();
+            return Next::Run(taken);
         }
         let waiting = q.tasks.iter().any(|t| !q.unreachable.contains_key(&self.plan.fork(&t.range).database));
         if !waiting && q.in_flight == 0 {
@@ -322,15 +352,32 @@ impl Shared {
         }
     }
 
+    /// A whole small fork, ready, never failed: it may be read in a batch.
+    fn batchable(&self, t: &Task, now: Instant) -> bool {
+        let f = self.plan.fork(&t.range);
+        !t.alone
+            && t.range.first == 0
+            && t.range.last + 1 == f.blocks
+            && f.blocks <= BATCH_FORK_BLOCKS
+            && t.role_override.is_none()
+            && t.reconnects == 0
+            && t.not_before.is_none_or(|nb| nb <= now)
+    }
+
+    fn same_batch(&self, a: &Task, b: &Task) -> bool {
+        let (fa, fb) = (self.plan.fork(&a.range), self.plan.fork(&b.range));
+        fa.database == fb.database && fa.as_role == fb.as_role
+    }
+
     /// Ends a worker's flight: the task it held is resolved (recorded, requeued or split).
     fn release(&self, worker: usize) {
-        *self.in_hand[worker].lock().unwrap() = None;
+        self.in_hand[worker].lock().unwrap().clear();
         self.queue.lock().unwrap().in_flight -= 1;
     }
 
     /// Puts a task back (front: retry at once; back: after the others) and ends its flight.
     fn requeue(&self, worker: usize, t: Task, front: bool) {
-        *self.in_hand[worker].lock().unwrap() = None;
+        self.in_hand[worker].lock().unwrap().clear();
         let mut q = self.queue.lock().unwrap();
         if front {
             q.tasks.push_front(t);
@@ -342,7 +389,7 @@ impl Shared {
 
     /// Puts a range back as two halves, first in the queue.
     fn split_front(&self, worker: usize, task: Task) {
-        *self.in_hand[worker].lock().unwrap() = None;
+        self.in_hand[worker].lock().unwrap().clear();
         let range = task.range;
         let mid = range.first + range.blocks() / 2;
         let mut q = self.queue.lock().unwrap();
@@ -384,7 +431,7 @@ async fn worker(id: usize, s: Arc<Shared>) {
             debug!(session = id, "deadline near or stop asked: starting no new range");
             break;
         }
-        let task = match s.next(id, session.as_ref().map(|x| x.database.as_str())) {
+        let mut tasks = match s.next(id, session.as_ref().map(|x| x.database.as_str())) {
             Next::Run(t) => t,
             Next::Wait => {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -393,23 +440,42 @@ async fn worker(id: usize, s: Arc<Shared>) {
             Next::Done => break,
         };
         s.counters.busy_sessions.fetch_add(1, Ordering::Relaxed);
-        let ran = std::panic::AssertUnwindSafe(run_task(id, &s, &mut session, task.clone())).catch_unwind().await;
+        let ran = if tasks.len() == 1 {
+            let task = tasks.pop().unwrap();
+            std::panic::AssertUnwindSafe(run_task(id, &s, &mut session, task)).catch_unwind().await
+        } else {
+            std::panic::AssertUnwindSafe(run_batch(id, &s, &mut session, tasks)).catch_unwind().await
+        };
         s.counters.busy_sessions.fetch_sub(1, Ordering::Relaxed);
         match ran {
             Ok(true) => break,
             Ok(false) => {}
             Err(panic) => {
-                // A bug, not the server: the session's state is unknown, so it goes; the range goes
-                // back (a range that panics again is reported, so that a bug cannot loop forever).
+                // A bug, not the server: the session's state is unknown, so it goes; the ranges go
+                // back, each alone (a range that panics again is reported, so that a bug cannot loop
+                // forever).
                 session = None;
                 let what = panic_text(panic.as_ref());
-                let mut task = task;
-                task.panics += 1;
-                if task.panics >= MAX_PANICS {
-                    s.skip(id, task.range, SkipReason::Error, format!("internal error: {what}"), None);
-                } else {
-                    warn!(session = id, error = %what, "internal error while reading a range; it goes back to the queue");
-                    s.requeue(id, task, true);
+                let held = std::mem::take(&mut *s.in_hand[id].lock().unwrap());
+                let mut q = s.queue.lock().unwrap();
+                q.in_flight -= held.len();
+                drop(q);
+                for mut task in held {
+                    task.panics += 1;
+                    task.alone = true;
+                    if task.panics >= MAX_PANICS {
+                        s.record(
+                            task.range,
+                            RangeResult::Skipped(Skip {
+                                reason: SkipReason::Error,
+                                detail: format!("internal error: {what}"),
+                                fix: None,
+                            }),
+                        );
+                    } else {
+                        warn!(session = id, error = %what, "internal error while reading a range; it goes back to the queue");
+                        s.queue.lock().unwrap().tasks.push_front(task);
+                    }
                 }
             }
         }
@@ -465,7 +531,14 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, NotO
         };
         match attempt.await {
             Ok((client, prewarm)) => {
-                return Ok(Session { database: db.to_string(), client, prewarm, role: None, statement_timeout_ms: 0 })
+                return Ok(Session {
+                    database: db.to_string(),
+                    client,
+                    prewarm,
+                    role: None,
+                    statement_timeout_ms: 0,
+                    batch: None,
+                })
             }
             Err(e) if e.sqlstate() == Some("3D000") => return Err(NotOpened::Gone(e.to_string())),
             Err(e) => {
@@ -604,25 +677,7 @@ async fn read_range(
     role: Option<String>,
 ) -> std::result::Result<u64, Failed> {
     let quick = s.within_deadline(client_bound(s.spec.connect_timeout(), s.opts.margin));
-    let timeout_ms = timeout.as_millis().max(1) as u64;
-    if sess.statement_timeout_ms != timeout_ms {
-        let ms = format!("{timeout_ms}ms");
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ms];
-        let set = sess.client.query_one("SELECT pg_catalog.set_config('statement_timeout', $1, false)", &params);
-        bounded(&s.spec, &sess.client, quick, set).await?;
-        sess.statement_timeout_ms = timeout_ms;
-    }
-    if sess.role != role {
-        match &role {
-            Some(r) => {
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [r];
-                let set = sess.client.query_one("SELECT pg_catalog.set_config('role', $1, false)", &params);
-                bounded(&s.spec, &sess.client, quick, set).await?;
-            }
-            None => bounded(&s.spec, &sess.client, quick, sess.client.batch_execute("RESET ROLE")).await?,
-        }
-        sess.role = role;
-    }
+    prepare(s, sess, quick, timeout, role).await?;
     let (mode, fork_name, first, last) =
         (s.opts.mode.as_str(), fork.fork.as_str(), range.first as i64, range.last as i64);
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&fork.oid, &mode, &fork_name, &first, &last];
@@ -746,6 +801,128 @@ async fn dispose(
         }
         Disposition::Examine => reexamine(id, s, session, task, &f).await,
     }
+}
+
+/// Reads a batch of small whole forks in one statement, on the session already open in their
+/// database. Any failure puts them back to be read one by one, where every cause has its handling;
+/// only a lost session or a stop keeps them batchable. Returns true when the worker must stop.
+async fn run_batch(id: usize, s: &Shared, session: &mut Option<Session>, tasks: Vec<Task>) -> bool {
+    if let Some(hook) = &s.opts.before_range {
+        for t in &tasks {
+            (hook.0)(s.plan.fork(&t.range), &t.range);
+        }
+    }
+    let put_back = |tasks: Vec<Task>, alone: bool, lost: bool| {
+        s.in_hand[id].lock().unwrap().clear();
+        let mut q = s.queue.lock().unwrap();
+        q.in_flight -= tasks.len();
+        for mut t in tasks.into_iter().rev() {
+            t.alone |= alone;
+            t.reconnects += lost as u32;
+            q.tasks.push_front(t);
+        }
+    };
+    let Some(sess) = session.as_mut().filter(|x| x.prewarm.is_some()) else {
+        put_back(tasks, true, false);
+        return false;
+    };
+    let timeout = match s.time_left() {
+        Some(left) => {
+            s.opts.statement_timeout.min(left.saturating_sub(s.opts.margin / 2)).max(Duration::from_millis(100))
+        }
+        None => s.opts.statement_timeout,
+    };
+    let role = s.plan.fork(&tasks[0].range).as_role.clone();
+    let started = Instant::now();
+    match read_batch(s, sess, &tasks, timeout, role).await {
+        Ok(blocks) if blocks.len() == tasks.len() => {
+            let seconds = started.elapsed().as_secs_f64() / tasks.len() as f64;
+            debug!(session = id, forks = tasks.len(), "batch of small forks read");
+            s.in_hand[id].lock().unwrap().clear();
+            for (t, b) in tasks.iter().zip(blocks) {
+                s.record(t.range, RangeResult::Warmed { blocks: b, seconds });
+            }
+            s.queue.lock().unwrap().in_flight -= tasks.len();
+            false
+        }
+        Ok(_) => {
+            put_back(tasks, true, false);
+            false
+        }
+        Err(Failed::Stopped) => {
+            *session = None;
+            put_back(tasks, false, false);
+            true
+        }
+        Err(f) if f.disposition() == Disposition::SessionLost => {
+            *session = None;
+            warn!(session = id, error = %f.describe(), forks = tasks.len(), "session lost during a batch; it will be retried");
+            put_back(tasks, false, true);
+            false
+        }
+        Err(f) => {
+            debug!(session = id, error = %f.describe(), forks = tasks.len(), "a batch failed; its forks are read one by one");
+            put_back(tasks, true, false);
+            false
+        }
+    }
+}
+
+async fn read_batch(
+    s: &Shared,
+    sess: &mut Session,
+    tasks: &[Task],
+    timeout: Duration,
+    role: Option<String>,
+) -> std::result::Result<Vec<u64>, Failed> {
+    let quick = s.within_deadline(client_bound(s.spec.connect_timeout(), s.opts.margin));
+    prepare(s, sess, quick, timeout, role).await?;
+    if sess.batch.is_none() {
+        sess.batch = bounded(&s.spec, &sess.client, quick, prewarm_batch_call(&sess.client)).await?;
+    }
+    let Some(call) = sess.batch.clone() else {
+        return Ok(Vec::new());
+    };
+    let oids: Vec<u32> = tasks.iter().map(|t| s.plan.fork(&t.range).oid).collect();
+    let forks: Vec<&str> = tasks.iter().map(|t| s.plan.fork(&t.range).fork.as_str()).collect();
+    let firsts: Vec<i64> = tasks.iter().map(|t| t.range.first as i64).collect();
+    let lasts: Vec<i64> = tasks.iter().map(|t| t.range.last as i64).collect();
+    let mode = s.opts.mode.as_str();
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&oids, &mode, &forks, &firsts, &lasts];
+    let call = sess.client.query(call.as_str(), &params);
+    let limit = s.within_deadline(client_bound(timeout, s.opts.margin)).max(timeout);
+    let rows = bounded_or_stopped(&s.spec, &sess.client, limit, s.opts.stop.as_deref(), call).await?;
+    Ok(rows.iter().map(|r| r.get::<_, i64>(1) as u64).collect())
+}
+
+/// The session's statement_timeout and role as the next statement needs them.
+async fn prepare(
+    s: &Shared,
+    sess: &mut Session,
+    quick: Duration,
+    timeout: Duration,
+    role: Option<String>,
+) -> std::result::Result<(), Failed> {
+    let timeout_ms = timeout.as_millis().max(1) as u64;
+    if sess.statement_timeout_ms != timeout_ms {
+        let ms = format!("{timeout_ms}ms");
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&ms];
+        let set = sess.client.query_one("SELECT pg_catalog.set_config('statement_timeout', $1, false)", &params);
+        bounded(&s.spec, &sess.client, quick, set).await?;
+        sess.statement_timeout_ms = timeout_ms;
+    }
+    if sess.role != role {
+        match &role {
+            Some(r) => {
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [r];
+                let set = sess.client.query_one("SELECT pg_catalog.set_config('role', $1, false)", &params);
+                bounded(&s.spec, &sess.client, quick, set).await?;
+            }
+            None => bounded(&s.spec, &sess.client, quick, sess.client.batch_execute("RESET ROLE")).await?,
+        }
+        sess.role = role;
+    }
+    Ok(())
 }
 
 /// After an unexpected error: find out whether the relation was dropped or shrank, and record or

@@ -716,6 +716,8 @@ mod tests {
                 owner_settable: false,
                 planned_skip: None,
                 excluded: false,
+                table_schema: None,
+                partition_of: Vec::new(),
             })
             .collect();
         let ranges = crate::plan::order_ranges(&forks, &[], range_blocks);

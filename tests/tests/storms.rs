@@ -217,12 +217,14 @@ async fn a_maintenance_statement_longer_than_a_call_is_reported_not_retried_fore
             table: "public.sl'ow".into(),
             oid: oid("\"sl'ow\"").await,
             cut: 0,
+            vacuum_only: false,
         },
         MaintenanceTarget {
             database: "postgres".into(),
             table: "public.quick".into(),
             oid: oid("quick").await,
             cut: 0,
+            vacuum_only: false,
         },
     ];
     let spec = cluster.superuser_spec();
@@ -355,6 +357,111 @@ fn the_new_reason_is_a_stable_name() {
     let _ = RangeResult::Warmed { blocks: 1, seconds: 0.0 };
 }
 
+/// Partitioned tables: a pattern naming a partitioned table (even sub-partitioned) matches its
+/// partitions, their indexes and TOAST, for --include, --exclude and --first; ANALYZE of the parent
+/// recurses, so partitions are not analyzed a second time; excluding the parent excludes its
+/// partitions from maintenance too. A schema with a dot in its name is matched, not split at the dot.
+async fn partitions_follow_their_parent(major: u32) {
+    let cluster = Cluster::start(major, &["autovacuum = off"]);
+    let c = cluster.client("postgres").await;
+    c.batch_execute(
+        "CREATE TABLE orders (id int, at date, note text) PARTITION BY RANGE (at);
+         CREATE TABLE orders_2024 PARTITION OF orders FOR VALUES FROM ('2024-01-01') TO ('2025-01-01') PARTITION BY HASH (id);
+         CREATE TABLE orders_2024_a PARTITION OF orders_2024 FOR VALUES WITH (MODULUS 2, REMAINDER 0);
+         CREATE TABLE orders_2024_b PARTITION OF orders_2024 FOR VALUES WITH (MODULUS 2, REMAINDER 1);
+         CREATE TABLE orders_2025 PARTITION OF orders FOR VALUES FROM ('2025-01-01') TO ('2026-01-01');
+         CREATE INDEX ON orders (id);
+         INSERT INTO orders SELECT g, date '2024-01-01' + (g % 700), repeat(md5(g::text), 100) FROM generate_series(1, 3000) g;
+         CREATE TABLE other AS SELECT g AS id FROM generate_series(1, 1000) g;
+         CREATE SCHEMA \"a.b\"; CREATE TABLE \"a.b\".c AS SELECT 1 AS x;",
+    )
+    .await
+    .unwrap();
+    let spec = cluster.superuser_spec();
+    let pat = |p: &str| pghydrate::pattern::RelationPattern::parse(p).unwrap();
+    let leaves = ["public.orders_2024_a", "public.orders_2024_b", "public.orders_2025"];
+
+    // --include the parent: exactly the leaves' forks (tables, indexes, TOAST) are planned.
+    let opts = PlanOptions { include: vec![pat("public.orders")], ..plan_opts(&["postgres"]) };
+    let plan = make_plan(&spec, &opts).await.expect("a pattern on a partitioned table matches its partitions");
+    let planned: std::collections::BTreeSet<&str> =
+        plan.forks.iter().filter(|f| !f.excluded).map(|f| f.table.as_str()).collect();
+    assert_eq!(planned.into_iter().collect::<Vec<_>>(), leaves);
+    assert!(plan.forks.iter().any(|f| !f.excluded && f.kind == pghydrate::plan::RelKind::ToastTable));
+    assert!(plan.forks.iter().any(|f| !f.excluded && f.kind == pghydrate::plan::RelKind::Index));
+
+    // --first the sub-partitioned middle level: its leaves are read before anything else.
+    let opts = PlanOptions { first: vec![pat("orders_2024")], ..plan_opts(&["postgres"]) };
+    let plan = make_plan(&spec, &opts).await.unwrap();
+    let firsts: Vec<&str> = plan
+        .ranges
+        .iter()
+        .map(|r| plan.fork(r).table.as_str())
+        .take_while(|t| t.starts_with("public.orders_2024_"))
+        .collect();
+    let all_2024 = plan.ranges.iter().filter(|r| plan.fork(r).table.starts_with("public.orders_2024_")).count();
+    assert_eq!(firsts.len(), all_2024, "every orders_2024 range comes first");
+
+    // A dotless pattern names the table, whatever dots its schema holds.
+    let opts = PlanOptions { include: vec![pat("c")], ..plan_opts(&["postgres"]) };
+    let plan = make_plan(&spec, &opts).await.expect("table c in schema a.b");
+    assert!(plan.forks.iter().any(|f| !f.excluded && f.table == "a.b.c" && f.table_parts() == ("a.b", "c")));
+
+    let analyzed = || async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let c = cluster.client("postgres").await;
+        let mut counts = std::collections::BTreeMap::new();
+        for t in leaves.iter().chain(&["public.other"]) {
+            let n: i64 = c
+                .query_one("SELECT analyze_count FROM pg_stat_user_tables WHERE relid = $1::text::regclass", &[t])
+                .await
+                .unwrap()
+                .get(0);
+            counts.insert(t.to_string(), n);
+        }
+        counts
+    };
+    // Excluding the parent keeps its partitions out of maintenance too.
+    let opts = PlanOptions { exclude: vec![pat("public.orders")], ..plan_opts(&["postgres"]) };
+    let mut st = RunState::new(make_plan(&spec, &opts).await.unwrap(), Mode::Read, 2, Maintenance::Analyze);
+    let mut ropts = run_opts(2);
+    ropts.maintenance = Maintenance::Analyze;
+    advance_within(&spec, &mut st, &ropts, Duration::from_secs(120)).await;
+    let counts = analyzed().await;
+    assert_eq!(counts.values().copied().collect::<Vec<_>>(), [0, 0, 0, 1], "{counts:?}");
+    assert!(
+        st.maintenance_results.iter().all(|m| !m.table.starts_with("public.orders")),
+        "{:?}",
+        st.maintenance_results
+    );
+
+    // Everything: each partition analyzed once (by the parent's ANALYZE), not twice.
+    let mut st =
+        RunState::new(make_plan(&spec, &plan_opts(&["postgres"])).await.unwrap(), Mode::Read, 2, Maintenance::Analyze);
+    advance_within(&spec, &mut st, &ropts, Duration::from_secs(120)).await;
+    let counts = analyzed().await;
+    assert_eq!(counts.values().copied().collect::<Vec<_>>(), [1, 1, 1, 2], "{counts:?}");
+    let orders = st.maintenance_results.iter().find(|m| m.table == "public.orders").unwrap();
+    assert_eq!((orders.action.as_str(), orders.outcome.as_str()), ("ANALYZE", "done"));
+    assert!(st.maintenance_results.iter().all(|m| !leaves.contains(&m.table.as_str())), "{:?}", st.maintenance_results);
+
+    // VACUUM ANALYZE: partitions get VACUUM only, the parent's ANALYZE covers their statistics.
+    let mut st = RunState::new(
+        make_plan(&spec, &plan_opts(&["postgres"])).await.unwrap(),
+        Mode::Read,
+        2,
+        Maintenance::VacuumAnalyze,
+    );
+    ropts.maintenance = Maintenance::VacuumAnalyze;
+    advance_within(&spec, &mut st, &ropts, Duration::from_secs(120)).await;
+    let counts = analyzed().await;
+    assert_eq!(counts.values().copied().collect::<Vec<_>>(), [2, 2, 2, 3], "{counts:?}");
+    for leaf in leaves {
+        let m = st.maintenance_results.iter().find(|m| m.table == leaf).unwrap();
+        assert_eq!((m.action.as_str(), m.outcome.as_str()), ("VACUUM", "done"), "{m:?}");
+    }
+}
+
 macro_rules! on_versions {
     ($($test:ident),*) => {
         $(
@@ -368,7 +475,7 @@ macro_rules! on_versions {
     };
 }
 
-on_versions!(a_half_open_connection_is_noticed_and_the_run_ends_complete);
+on_versions!(a_half_open_connection_is_noticed_and_the_run_ends_complete, partitions_follow_their_parent);
 
 /// The workflow's Warm call, same fault: a database unreachable for the whole reconnect window fails
 /// the call as `ConnectionFailed`, which the state machine's Retry names (5 attempts, 5 s doubling);

@@ -153,7 +153,7 @@ mod tests {
     use super::*;
 
     fn t(db: &str, oid: u32) -> MaintenanceTarget {
-        MaintenanceTarget { database: db.into(), table: format!("public.t{oid}"), oid, cut: 0 }
+        MaintenanceTarget { database: db.into(), table: format!("public.t{oid}"), oid, cut: 0, vacuum_only: false }
     }
 
     /// Each call continues exactly where the previous one stopped, in the order of the databases
