@@ -393,9 +393,12 @@ mod tests {
         assert!(matches!(parse(&switchover), Err(InputError::NotATrigger(_))));
     }
 
+    /// An edit of an event.
+    type Edit = Box<dyn Fn(&mut Value)>;
+
     #[test]
     fn malformed_and_hostile_events_are_refused_by_field() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut Value)>, &str)> = vec![
+        let cases: Vec<(&str, Edit, &str)> = vec![
             (
                 "no detail",
                 Box::new(|e| {
