@@ -13,7 +13,7 @@ use crate::connect::ConnectionSpec;
 use crate::error::{describe, Error, Result};
 use crate::pattern::{glob, RelationPattern};
 use crate::plan::{
-    order_ranges, DatabaseEntry, Fork, ForkEntry, Plan, RelKind, ServerInfo, Skip, SkipReason, PLAN_FORMAT,
+    order_ranges, BlockRange, DatabaseEntry, Fork, ForkEntry, Plan, RelKind, ServerInfo, Skip, SkipReason, PLAN_FORMAT,
 };
 use crate::sql::prewarm_call;
 
@@ -433,29 +433,30 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
              LEFT JOIN pg_catalog.pg_index i ON i.indexrelid = c.oid
             WHERE c.relkind IN ('r', 'i', 't', 'm', 'S') AND c.relpersistence <> 't'
          )
-         SELECT r.oid, rn.nspname::text, r.relname::text, r.relkind::text, r.relisshared,
-                pg_catalog.pg_get_userbyid(r.relowner)::text,
-                (tn.nspname || '.' || coalesce(owner_tbl.relname, b.relname))::text,
-                b.relkind::text,
-                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'main'), 0) END,
-                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'fsm'), 0) END,
-                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'vm'), 0) END,
-                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'init'), 0) END,
+         SELECT r.oid AS oid, rn.nspname::text AS schema, r.relname::text AS name, r.relkind::text AS relkind,
+                r.relisshared AS shared,
+                pg_catalog.pg_get_userbyid(r.relowner)::text AS owner,
+                (tn.nspname || '.' || coalesce(owner_tbl.relname, b.relname))::text AS table_label,
+                b.relkind::text AS base_kind,
+                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'main'), 0) END AS size_main,
+                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'fsm'), 0) END AS size_fsm,
+                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'vm'), 0) END AS size_vm,
+                CASE WHEN r.oid = ANY($1) THEN NULL ELSE coalesce(pg_catalog.pg_relation_size(r.oid, 'init'), 0) END AS size_init,
                 pg_catalog.has_table_privilege(r.oid, 'SELECT')
-                  OR (r.relkind = 'i' AND pg_catalog.has_table_privilege(r.indrelid, 'SELECT')),
-                pg_catalog.pg_has_role(r.relowner, '{set_priv}'),
-                (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = r.relowner),
+                  OR (r.relkind = 'i' AND pg_catalog.has_table_privilege(r.indrelid, 'SELECT')) AS readable,
+                pg_catalog.pg_has_role(r.relowner, '{set_priv}') AS owner_settable,
+                (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = r.relowner) AS owner_is_super,
                 CASE WHEN r.relkind IN ('r', 'm', 'S')
                        THEN format('GRANT SELECT ON %I.%I TO %I', rn.nspname, r.relname, current_user)
                      WHEN r.relkind = 'i' AND b.relkind <> 't'
                        THEN format('GRANT SELECT ON %I.%I TO %I', bn.nspname, b.relname, current_user)
                      WHEN (SELECT rolsuper FROM pg_catalog.pg_roles WHERE oid = r.relowner)
                        THEN {superuser_owned_fix}
-                     ELSE format('GRANT %I TO %I', pg_catalog.pg_get_userbyid(r.relowner), current_user) END,
-                r.relpages::int8,
-                tn.nspname::text,
-                {ancestor_schemas},
-                {ancestor_names}
+                     ELSE format('GRANT %I TO %I', pg_catalog.pg_get_userbyid(r.relowner), current_user) END AS fix,
+                r.relpages::int8 AS relpages,
+                tn.nspname::text AS table_schema,
+                {ancestor_schemas} AS ancestor_schemas,
+                {ancestor_names} AS ancestor_names
            FROM rels r
            JOIN pg_catalog.pg_namespace rn ON rn.oid = r.relnamespace
            JOIN pg_catalog.pg_class b ON b.oid = r.base_oid
@@ -493,11 +494,11 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
     let bs = server.block_size as i64;
     let mut out = Vec::with_capacity(rows.len() * 2);
     for row in rows {
-        let oid: u32 = row.get(0);
-        let schema: String = row.get(1);
-        let relkind: String = row.get(3);
-        let shared: bool = row.get(4);
-        let base_kind: String = row.get(7);
+        let oid: u32 = row.get("oid");
+        let schema: String = row.get("schema");
+        let relkind: String = row.get("relkind");
+        let shared: bool = row.get("shared");
+        let base_kind: String = row.get("base_kind");
         let kind = match (relkind.as_str(), base_kind.as_str()) {
             ("r", _) => RelKind::Table,
             ("t", _) => RelKind::ToastTable,
@@ -506,16 +507,16 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
             ("m", _) => RelKind::MaterializedView,
             _ => RelKind::Sequence,
         };
-        let direct: bool = row.get(12);
-        let owner_settable: bool = row.get(13);
-        let owner_is_super: bool = row.get::<_, Option<bool>>(14).unwrap_or(false);
-        let owner: String = row.get(5);
+        let direct: bool = row.get("readable");
+        let owner_settable: bool = row.get("owner_settable");
+        let owner_is_super: bool = row.get::<_, Option<bool>>("owner_is_super").unwrap_or(false);
+        let owner: String = row.get("owner");
         let (as_role, planned_skip) = if server.is_superuser || direct {
             (None, None)
         } else if owner_settable && !owner_is_super {
             (Some(owner.clone()), None)
         } else {
-            let fix: String = row.get(15);
+            let fix: String = row.get("fix");
             (
                 None,
                 Some(Skip {
@@ -534,25 +535,27 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
                 }),
             )
         };
-        let table_schema: String = row.get(17);
+        let table_schema: String = row.get("table_schema");
         let partition_of: Vec<[String; 2]> = {
-            let schemas: Vec<String> = row.get::<_, Option<Vec<String>>>(18).unwrap_or_default();
-            let names: Vec<String> = row.get::<_, Option<Vec<String>>>(19).unwrap_or_default();
+            let schemas: Vec<String> = row.get::<_, Option<Vec<String>>>("ancestor_schemas").unwrap_or_default();
+            let names: Vec<String> = row.get::<_, Option<Vec<String>>>("ancestor_names").unwrap_or_default();
             schemas.into_iter().zip(names).map(|(s, n)| [s, n]).collect()
         };
-        let mut sizes: [Option<i64>; 4] = [row.get(8), row.get(9), row.get(10), row.get(11)];
+        let mut sizes: [Option<i64>; 4] =
+            [row.get("size_main"), row.get("size_fsm"), row.get("size_vm"), row.get("size_init")];
         let mut planned_skip = planned_skip;
         if sizes[0].is_none() {
             match size_locked(client, oid, attempts).await? {
                 Some(s) => sizes = s.map(Some),
                 None => {
-                    let estimate: i64 = row.get(16);
+                    let estimate: i64 = row.get("relpages");
                     sizes = [Some(estimate.max(0) * bs), Some(0), Some(0), Some(0)];
                     planned_skip = Some(Skip {
                         reason: SkipReason::LockTimeout,
                         detail: format!(
-                            "held ACCESS EXCLUSIVE by another session throughout planning ({attempts} attempts); \
-                             size unknown, about {estimate} blocks by relpages"
+                            "held ACCESS EXCLUSIVE by another session throughout planning ({attempts} attempts{}); \
+                             size unknown, about {estimate} blocks by relpages",
+                            if attempts == 1 { ", and again after warming" } else { "" }
                         ),
                         fix: Some("run again once the lock is released".into()),
                     });
@@ -569,12 +572,12 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
                 entry: ForkEntry {
                     database: db.to_string(),
                     schema: schema.clone(),
-                    name: row.get(2),
+                    name: row.get("name"),
                     oid,
                     kind,
                     fork,
                     blocks: (bytes / bs) as u64,
-                    table: row.get(6),
+                    table: row.get("table_label"),
                     owner: owner.clone(),
                     as_role: as_role.clone(),
                     owner_settable: owner_settable && !owner_is_super,
@@ -610,6 +613,69 @@ async fn size_locked(client: &Client, oid: u32, attempts: u32) -> Result<Option<
         }
     }
     Ok(None)
+}
+
+/// Sizes again the relations held ACCESS EXCLUSIVE throughout planning (planned as skipped,
+/// `lock_timeout`), one session per database and one try each under the session's lock_timeout. Each
+/// that can be sized now is planned: its main fork gets its real size, its other forks are added, and
+/// their ranges are appended to the plan and returned, to be read. The others stay skipped.
+pub async fn plan_locked_again(spec: &ConnectionSpec, plan: &mut Plan) -> Vec<BlockRange> {
+    let locked: Vec<usize> = (0..plan.forks.len())
+        .filter(|&i| {
+            let f = &plan.forks[i];
+            !f.excluded
+                && f.fork == Fork::Main
+                && f.planned_skip.as_ref().is_some_and(|s| s.reason == SkipReason::LockTimeout)
+        })
+        .collect();
+    let mut databases: Vec<&str> = locked.iter().map(|&i| plan.forks[i].database.as_str()).collect();
+    databases.dedup();
+    let databases: Vec<String> = databases.into_iter().map(str::to_string).collect();
+    let bs = plan.server.block_size as i64;
+    let mut added = Vec::new();
+    for db in databases {
+        let client = match spec.connect(&db).await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(database = %db, error = %e, "cannot size the relations that were locked while planning");
+                continue;
+            }
+        };
+        let here: Vec<usize> = locked.iter().copied().filter(|&i| plan.forks[i].database == db).collect();
+        for i in here {
+            let oid = plan.forks[i].oid;
+            let sizes = match size_locked(&client, oid, 1).await {
+                Ok(Some(sizes)) => sizes,
+                Ok(None) => {
+                    info!(database = %db, relation = %plan.forks[i].name, "still locked after warming; stays skipped");
+                    continue;
+                }
+                Err(e) => {
+                    warn!(database = %db, relation = %plan.forks[i].name, error = %e, "cannot size a relation locked while planning");
+                    continue;
+                }
+            };
+            for (k, fork) in Fork::ALL.into_iter().enumerate() {
+                let blocks = (sizes[k].max(0) / bs) as u64;
+                let index = if fork == Fork::Main {
+                    plan.forks[i].blocks = blocks;
+                    plan.forks[i].planned_skip = None;
+                    i
+                } else if blocks > 0 {
+                    plan.forks.push(ForkEntry { fork, blocks, ..plan.forks[i].clone() });
+                    plan.forks.len() - 1
+                } else {
+                    continue;
+                };
+                for (first, last) in crate::plan::split_blocks(blocks, plan.range_blocks) {
+                    added.push(BlockRange { fork: index as u32, first, last });
+                }
+            }
+            info!(database = %db, relation = %plan.forks[i].name, "locked while planning; sized now and planned");
+        }
+    }
+    plan.ranges.extend(added.iter().copied());
+    added
 }
 
 /// Client-side identifier quoting, used only for text shown to people (never for executed SQL).

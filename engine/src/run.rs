@@ -37,6 +37,9 @@ pub struct RunState {
     /// Databases the last call could not reach (their ranges are in `pending`), with why.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub unreachable: BTreeMap<String, String>,
+    /// Whether what locks kept from being read had its one more try ([`RunState::retry_locked`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub locks_retried: bool,
     /// Set when the last call was stopped by a signal (its name), not by the time limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub interrupted: Option<String>,
@@ -87,6 +90,7 @@ impl RunState {
             calls: 0,
             unreachable: BTreeMap::new(),
             interrupted: None,
+            locks_retried: false,
         }
     }
 
@@ -116,6 +120,31 @@ impl RunState {
         Ok(state)
     }
 
+    /// Once, after warming: what a lock kept from being read gets one more try, the lock having had
+    /// the whole warm to go away. Relations held ACCESS EXCLUSIVE throughout planning are sized and
+    /// planned now; ranges skipped for `lock_timeout` while warming go back to pending. Returns the
+    /// ranges to read.
+    async fn retry_locked(&mut self, spec: &ConnectionSpec) -> Vec<BlockRange> {
+        let mut again = crate::catalog::plan_locked_again(spec, &mut self.plan).await;
+        let before = self.outcomes.len();
+        self.outcomes.retain(|o| {
+            let locked =
+                matches!(&o.result, warm::RangeResult::Skipped(s) if s.reason == crate::plan::SkipReason::LockTimeout);
+            if locked {
+                again.push(o.range);
+            }
+            !locked
+        });
+        if !again.is_empty() {
+            info!(
+                ranges = again.len(),
+                skipped_for_locks = before - self.outcomes.len(),
+                "trying the locked relations again"
+            );
+        }
+        again
+    }
+
     /// Works on the state until it is finished or the deadline in `opts` comes.
     pub async fn advance(&mut self, spec: &ConnectionSpec, opts: &RunOptions, counters: Arc<Counters>) -> Result<()> {
         self.calls += 1;
@@ -123,32 +152,41 @@ impl RunState {
         let mut warm_opts = opts.warm.clone();
         warm_opts.mode = self.mode;
         warm_opts.sessions = self.sessions;
-        if !self.pending.is_empty() {
-            let started = Instant::now();
-            let plan = Arc::new(self.plan.clone());
-            let ranges = std::mem::take(&mut self.pending);
-            info!(ranges = ranges.len(), sessions = self.sessions, mode = self.mode.as_str(), "warming");
-            let warmed = warm::warm(spec, plan, ranges, &warm_opts, counters).await?;
-            self.outcomes.extend(warmed.outcomes);
-            self.pending = warmed.pending;
-            self.unreachable = warmed.unreachable;
-            self.warm_seconds += started.elapsed().as_secs_f64();
+        let near = || {
+            opts.warm.deadline.is_some_and(|d| d.saturating_duration_since(Instant::now()) <= opts.warm.margin)
+                || opts.warm.stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+        };
+        loop {
             if !self.pending.is_empty() {
-                if self.unreachable.is_empty() {
-                    warn!(ranges_left = self.pending.len(), "stopped with ranges left (time limit or stop)");
-                } else {
-                    warn!(ranges_left = self.pending.len(), databases = ?self.unreachable.keys().collect::<Vec<_>>(),
-                          "stopped: databases unreachable, their ranges are left for resume");
+                let started = Instant::now();
+                let plan = Arc::new(self.plan.clone());
+                let ranges = std::mem::take(&mut self.pending);
+                info!(ranges = ranges.len(), sessions = self.sessions, mode = self.mode.as_str(), "warming");
+                let warmed = warm::warm(spec, plan, ranges, &warm_opts, counters.clone()).await?;
+                self.outcomes.extend(warmed.outcomes);
+                self.pending = warmed.pending;
+                self.unreachable = warmed.unreachable;
+                self.warm_seconds += started.elapsed().as_secs_f64();
+                if !self.pending.is_empty() {
+                    if self.unreachable.is_empty() {
+                        warn!(ranges_left = self.pending.len(), "stopped with ranges left (time limit or stop)");
+                    } else {
+                        warn!(ranges_left = self.pending.len(), databases = ?self.unreachable.keys().collect::<Vec<_>>(),
+                              "stopped: databases unreachable, their ranges are left for resume");
+                    }
+                    return Ok(());
                 }
-                return Ok(());
+            }
+            if self.locks_retried || near() {
+                break;
+            }
+            self.locks_retried = true;
+            self.pending = self.retry_locked(spec).await;
+            if self.pending.is_empty() {
+                break;
             }
         }
-        if self.maintenance == Maintenance::None {
-            return Ok(());
-        }
-        let near = opts.warm.deadline.is_some_and(|d| d.saturating_duration_since(Instant::now()) <= opts.warm.margin)
-            || opts.warm.stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed));
-        if near {
+        if self.maintenance == Maintenance::None || near() {
             return Ok(());
         }
         let started = Instant::now();

@@ -462,6 +462,40 @@ async fn partitions_follow_their_parent(major: u32) {
     }
 }
 
+/// A table held ACCESS EXCLUSIVE while planning (a migration, say) is tried once while planning and
+/// once more after warming, when the lock has had the whole warm to go away: once released, it is read
+/// completely, with its free-space and visibility maps, and the run is complete. Before, it was
+/// reported `lock_timeout` (exit 4) although it could be read a few seconds later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_locked_while_planning_is_read_once_the_lock_goes() {
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    cluster.client("app").await.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
+    let locker = cluster.client("app").await;
+    locker.batch_execute("BEGIN; LOCK TABLE documents IN ACCESS EXCLUSIVE MODE").await.unwrap();
+    let spec = cluster.superuser_spec().with_timeouts(Duration::from_millis(200), Duration::from_secs(60));
+    let opts = PlanOptions { lock_attempts: 1, ..plan_opts(&["app"]) };
+    let plan = make_plan(&spec, &opts).await.unwrap();
+    let docs = plan.forks.iter().find(|f| f.name == "documents").unwrap();
+    assert_eq!(docs.planned_skip.as_ref().map(|s| s.reason), Some(SkipReason::LockTimeout));
+    locker.batch_execute("COMMIT").await.unwrap();
+
+    let mut st = RunState::new(plan, Mode::Buffer, 2, Maintenance::None);
+    let mut ropts = run_opts(2);
+    ropts.warm.lock_timeout = Duration::from_millis(200);
+    advance_within(&spec, &mut st, &ropts, Duration::from_secs(120)).await;
+    assert!(st.locks_retried);
+    assert_outcomes_partition_plan(&st);
+    let r = report::build(&st);
+    assert_eq!((r.coverage, r.status.as_str(), r.exit_code), (1.0, "complete", 0));
+    let forks: Vec<_> = r.relations.iter().filter(|x| x.name == "documents").collect();
+    assert!(forks.iter().any(|x| x.fork == "vm") && forks.iter().any(|x| x.fork == "fsm"), "{forks:?}");
+    for x in forks {
+        assert_eq!((x.outcome.as_str(), x.warmed_blocks), ("warmed", x.blocks), "{x:?}");
+    }
+    assert_all_blocks_buffered(&cluster, &r).await;
+}
+
 macro_rules! on_versions {
     ($($test:ident),*) => {
         $(
