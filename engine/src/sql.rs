@@ -75,12 +75,14 @@ pub(crate) async fn prewarm_call(client: &Client) -> Result<Option<(String, Serv
 
 /// The same function as [`prewarm_call`], called once per element of arrays: `$1` oids, `$2` the mode,
 /// `$3` forks, `$4` first and `$5` last blocks. Returns (ordinal, blocks read) rows, in order. Every
-/// argument is cast to the exact parameter type; `unnest` is the catalog's.
+/// argument is cast to the exact parameter type; `unnest` is the catalog's (the multi-argument
+/// `unnest(a, b)` is syntax that exists only unqualified, so the arrays are zipped by `ROWS FROM`).
 pub(crate) async fn prewarm_batch_call(client: &Client) -> Result<Option<ServerSql>, tokio_postgres::Error> {
     let find = format!(
         "SELECT format('SELECT u.i, %I.%I(u.r::pg_catalog.regclass, $2::pg_catalog.text, u.f, u.a, u.b)
-                FROM pg_catalog.unnest($1::pg_catalog.oid[], $3::pg_catalog.text[], $4::pg_catalog.int8[],
-                                       $5::pg_catalog.int8[]) WITH ORDINALITY AS u(r, f, a, b, i)
+                FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.oid[]), pg_catalog.unnest($3::pg_catalog.text[]),
+                                pg_catalog.unnest($4::pg_catalog.int8[]), pg_catalog.unnest($5::pg_catalog.int8[]))
+                     WITH ORDINALITY AS u(r, f, a, b, i)
                ORDER BY u.i', n.nspname, p.proname)
          {PREWARM_FUNCTION}"
     );

@@ -273,7 +273,9 @@ async fn ctrl_c_writes_the_continuation_and_resume_finishes() {
         test_tls().ca.display()
     );
     let child = std::process::Command::new(pghydrate_bin())
-        .args(["run", &url, "--include-database", "app", "--sessions", "2", "--range-blocks", "64"])
+        // Ranges of 4 blocks: many single statements, so a warm session soon passes 20 KB (small forks
+        // are batched and send little).
+        .args(["run", &url, "--include-database", "app", "--sessions", "2", "--range-blocks", "4"])
         .args(["--maintenance", "none", "--progress", "none", "--continuation", cont.to_str().unwrap()])
         .args(["--report", report_path.to_str().unwrap()])
         .current_dir(&dir)
@@ -494,6 +496,47 @@ async fn a_table_locked_while_planning_is_read_once_the_lock_goes() {
         assert_eq!((x.outcome.as_str(), x.warmed_blocks), ("warmed", x.blocks), "{x:?}");
     }
     assert_all_blocks_buffered(&cluster, &r).await;
+}
+
+/// At 100,000 relations most forks are a block or two: they are read many to a statement, not one
+/// round trip each. Counted on the server: the transactions the run committed in a database of 2,000
+/// one-block indexes. A batch that fails is read one by one, so a batch statement that never works
+/// would still give full coverage: this test is what notices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_forks_are_read_many_to_a_statement() {
+    let cluster = Cluster::start(15, &[]);
+    let admin = cluster.client("postgres").await;
+    admin.batch_execute("CREATE DATABASE many").await.unwrap();
+    let c = cluster.client("many").await;
+    c.batch_execute(
+        "CREATE EXTENSION pg_prewarm;
+         DO $$ BEGIN FOR i IN 1..2000 LOOP EXECUTE format('CREATE TABLE t_%s (id int PRIMARY KEY)', i); END LOOP; END $$;",
+    )
+    .await
+    .unwrap();
+    let spec = cluster.superuser_spec();
+    let plan = make_plan(&spec, &plan_opts(&["many"])).await.unwrap();
+    let forks = plan.ranges.len();
+    assert!(forks >= 2000, "{forks} ranges");
+    let commits = || async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let c = cluster.client("postgres").await;
+        c.query_one("SELECT xact_commit FROM pg_stat_database WHERE datname = 'many'", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    let before = commits().await;
+    let mut st = RunState::new(plan, Mode::Read, 2, Maintenance::None);
+    advance_within(&spec, &mut st, &run_opts(2), Duration::from_secs(120)).await;
+    let statements = commits().await - before;
+    assert_outcomes_partition_plan(&st);
+    assert_eq!(report::build(&st).coverage, 1.0);
+    assert!(
+        statements < forks as i64 / 10,
+        "{statements} transactions for {forks} ranges: small forks are not batched"
+    );
+    eprintln!("measured: {forks} ranges read in {statements} transactions");
 }
 
 macro_rules! on_versions {
