@@ -4,11 +4,12 @@
 //! session whose search path is pinned to pg_catalog, so its unqualified functions and operators are
 //! the system's, whatever a database's users created.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
 use tracing::{info, warn};
 
+use crate::bounded::{bounded, client_bound, Failed};
 use crate::connect::ConnectionSpec;
 use crate::error::{describe, Error, Result};
 use crate::pattern::{glob, RelationPattern};
@@ -52,10 +53,27 @@ pub(crate) async fn connect_any(spec: &ConnectionSpec) -> Result<(Client, String
     }
 }
 
-pub async fn server_info(client: &Client) -> Result<ServerInfo> {
-    let row = client
-        .query_one(
-            "SELECT current_setting('server_version_num')::int4,
+/// The client-side bound of a catalog statement ([`crate::bounded`]): a half-open connection while
+/// planning fails the statement instead of hanging the plan.
+fn catalog_bound(spec: &ConnectionSpec) -> Duration {
+    client_bound(spec.statement_timeout(), Duration::from_secs(30))
+}
+
+/// The error of a catalog statement that gave no result.
+fn catalog_error(spec: &ConnectionSpec, context: impl Into<String>, f: Failed) -> Error {
+    match f {
+        Failed::Server(e) => Error::query(context, e),
+        other => Error::Connect {
+            target: spec.target(),
+            reason: format!("{}: {}", context.into(), other.describe()),
+            source: None,
+        },
+    }
+}
+
+pub async fn server_info(spec: &ConnectionSpec, client: &Client) -> Result<ServerInfo> {
+    let statement = client.query_one(
+        "SELECT current_setting('server_version_num')::int4,
                     version(),
                     current_setting('block_size')::int8,
                     current_user::text,
@@ -66,16 +84,14 @@ pub async fn server_info(client: &Client) -> Result<ServerInfo> {
                     (SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE backend_type = 'client backend')::int4,
                     current_setting('io_method', true),
                     pg_is_in_recovery()",
-            &[],
-        )
-        .await
-        .map_err(|e| {
-            if e.code().is_some() {
-                Error::Unsupported(format!("server did not answer like PostgreSQL >= 10: {}", describe(&e)))
-            } else {
-                Error::query("reading server settings", e)
-            }
-        })?;
+        &[],
+    );
+    let row = bounded(spec, client, catalog_bound(spec), statement).await.map_err(|f| match f {
+        Failed::Server(e) if e.code().is_some() => {
+            Error::Unsupported(format!("server did not answer like PostgreSQL >= 10: {}", describe(&e)))
+        }
+        other => catalog_error(spec, "reading server settings", other),
+    })?;
     let version_num: i32 = row.get(0);
     if version_num < 100000 {
         return Err(Error::Unsupported(format!("PostgreSQL {version_num} is older than 10")));
@@ -109,18 +125,18 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         return Err(Error::InvalidInput("range size must be at least 1 block".into()));
     }
     let (client, _) = connect_any(spec).await?;
-    let server = server_info(&client).await?;
+    let server = server_info(spec, &client).await?;
     info!(server = %server.version, login_role = %server.login_role, superuser = server.is_superuser, "connected");
 
-    let rows = client
-        .query(
-            "SELECT datname::text, datallowconn, datistemplate,
-                    has_database_privilege(oid, 'CONNECT')
-               FROM pg_catalog.pg_database ORDER BY datname",
-            &[],
-        )
+    let statement = client.query(
+        "SELECT datname::text, datallowconn, datistemplate,
+                has_database_privilege(oid, 'CONNECT')
+           FROM pg_catalog.pg_database ORDER BY datname",
+        &[],
+    );
+    let rows = bounded(spec, &client, catalog_bound(spec), statement)
         .await
-        .map_err(|e| Error::query("listing databases", e))?;
+        .map_err(|f| catalog_error(spec, "listing databases", f))?;
     let dbs: Vec<DbRow> = rows
         .iter()
         .map(|r| DbRow { name: r.get(0), allow_conn: r.get(1), template: r.get(2), can_connect: r.get(3) })
@@ -208,8 +224,8 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         // A database whose extension check or listing fails is skipped with its reason, as documented;
         // the other databases are still planned.
         let listed = async {
-            let ext = ensure_extension(&client, &d.name, opts, server.in_recovery).await?;
-            let forks = list_forks(&client, &d.name, &server, opts.lock_attempts.max(1)).await?;
+            let ext = ensure_extension(spec, &client, &d.name, opts, server.in_recovery).await?;
+            let forks = list_forks(spec, &client, &d.name, &server, opts.lock_attempts.max(1)).await?;
             Ok::<_, Error>((ext, forks))
         };
         let ((prewarm_schema, ext_problem, note), db_forks) = match listed.await {
@@ -307,22 +323,24 @@ fn read_shared_once(forks: Vec<ForkEntry>, shared_keys: &[Option<(u32, Fork)>]) 
 /// the server by every warming session), or why it is not available, and a note for a dry run that
 /// plans as if `run` will create it.
 async fn ensure_extension(
+    spec: &ConnectionSpec,
     client: &Client,
     db: &str,
     opts: &PlanOptions,
     standby: bool,
 ) -> Result<(Option<String>, Option<String>, Option<String>)> {
-    if let Some((schema, _)) = prewarm_call(client).await.map_err(|e| Error::query("finding pg_prewarm", e))? {
+    let bound = catalog_bound(spec);
+    let found = bounded(spec, client, bound, prewarm_call(client)).await;
+    if let Some((schema, _)) = found.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))? {
         return Ok((Some(schema), None, None));
     }
-    if let Some(row) = client
-        .query_opt(
-            "SELECT n.nspname::text FROM pg_catalog.pg_extension e JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace
-              WHERE e.extname = 'pg_prewarm'",
-            &[],
-        )
-        .await
-        .map_err(|e| Error::query("finding pg_prewarm", e))?
+    let statement = client.query_opt(
+        "SELECT n.nspname::text FROM pg_catalog.pg_extension e JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace
+          WHERE e.extname = 'pg_prewarm'",
+        &[],
+    );
+    if let Some(row) =
+        bounded(spec, client, bound, statement).await.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))?
     {
         let schema: String = row.get(0);
         return Ok((
@@ -334,10 +352,10 @@ async fn ensure_extension(
             None,
         ));
     }
-    let available = client
-        .query_opt("SELECT 1 FROM pg_catalog.pg_available_extensions WHERE name = 'pg_prewarm'", &[])
+    let statement = client.query_opt("SELECT 1 FROM pg_catalog.pg_available_extensions WHERE name = 'pg_prewarm'", &[]);
+    let available = bounded(spec, client, bound, statement)
         .await
-        .map_err(|e| Error::query("looking for pg_prewarm", e))?
+        .map_err(|f| catalog_error(spec, "looking for pg_prewarm", f))?
         .is_some();
     if !available {
         return Ok((None, Some("pg_prewarm is not installed on the server (contrib package missing)".into()), None));
@@ -362,18 +380,21 @@ async fn ensure_extension(
     // In `public`, named: with the search path pinned to pg_catalog, the default would be pg_catalog.
     // A same-signature function planted there beforehand makes this fail (PostgreSQL refuses to adopt
     // it into the extension), and the database is skipped with that reason.
-    match client.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm SCHEMA public").await {
+    let create = client.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_prewarm SCHEMA public");
+    match bounded(spec, client, bound, create).await {
         Ok(()) => {
             info!(database = %db, "created extension pg_prewarm in schema public");
-            match prewarm_call(client).await.map_err(|e| Error::query("finding pg_prewarm", e))? {
+            let found = bounded(spec, client, bound, prewarm_call(client)).await;
+            match found.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))? {
                 Some((schema, _)) => Ok((Some(schema), None, None)),
                 None => Ok((None, Some("pg_prewarm was created but its function is not there".into()), None)),
             }
         }
-        Err(e) => {
+        Err(Failed::Server(e)) => {
             warn!(database = %db, error = %describe(&e), "pg_prewarm missing and not creatable");
             Ok((None, Some(format!("pg_prewarm is not installed and could not be created: {}", describe(&e))), None))
         }
+        Err(f) => Err(catalog_error(spec, "creating pg_prewarm", f)),
     }
 }
 
@@ -394,7 +415,13 @@ pub fn read_all_data_fix(server: &ServerInfo) -> String {
     }
 }
 
-async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u32) -> Result<Vec<Listed>> {
+async fn list_forks(
+    spec: &ConnectionSpec,
+    client: &Client,
+    db: &str,
+    server: &ServerInfo,
+    attempts: u32,
+) -> Result<Vec<Listed>> {
     // pg_prewarm's privilege check is SELECT on the relation. For an index, current minor releases
     // (seen on 15.18, 16.15, 17.11, 18.6) check the index's table instead; older minors checked the
     // index itself, whose missing ACL makes it owner-only. The plan predicts the current rule; at run
@@ -469,25 +496,28 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
     // ACCESS EXCLUSIVE are sized one by one below, so that one DDL cannot stall the whole plan.
     let mut rows = None;
     for attempt in 1..=3 {
-        let locked: Vec<u32> = client
-            .query_one(
-                "SELECT coalesce(array_agg(DISTINCT relation), '{}') FROM pg_catalog.pg_locks
-                  WHERE locktype = 'relation' AND mode = 'AccessExclusiveLock' AND relation IS NOT NULL
-                    AND database IN (0, (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()))",
-                &[],
-            )
+        let statement = client.query_one(
+            "SELECT coalesce(array_agg(DISTINCT relation), '{}') FROM pg_catalog.pg_locks
+              WHERE locktype = 'relation' AND mode = 'AccessExclusiveLock' AND relation IS NOT NULL
+                AND database IN (0, (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()))",
+            &[],
+        );
+        let locked: Vec<u32> = bounded(spec, client, catalog_bound(spec), statement)
             .await
-            .map_err(|e| Error::query("reading pg_locks", e))?
+            .map_err(|f| catalog_error(spec, "reading pg_locks", f))?
             .get(0);
-        match client.query(&sql, &[&locked]).await {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&locked];
+        match bounded(spec, client, catalog_bound(spec), client.query(&sql, &params)).await {
             Ok(r) => {
                 rows = Some(r);
                 break;
             }
-            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) && attempt < 3 => {
+            Err(Failed::Server(e))
+                if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) && attempt < 3 =>
+            {
                 warn!(database = %db, "a relation was locked while sizing; sizing again");
             }
-            Err(e) => return Err(Error::query(format!("listing relations of database {db:?}"), e)),
+            Err(f) => return Err(catalog_error(spec, format!("listing relations of database {db:?}"), f)),
         }
     }
     let rows = rows.expect("sized or returned");
@@ -545,7 +575,7 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
             [row.get("size_main"), row.get("size_fsm"), row.get("size_vm"), row.get("size_init")];
         let mut planned_skip = planned_skip;
         if sizes[0].is_none() {
-            match size_locked(client, oid, attempts).await? {
+            match size_locked(spec, client, oid, attempts).await? {
                 Some(s) => sizes = s.map(Some),
                 None => {
                     let estimate: i64 = row.get("relpages");
@@ -593,23 +623,22 @@ async fn list_forks(client: &Client, db: &str, server: &ServerInfo, attempts: u3
 }
 
 /// Sizes one relation's four forks, waiting up to lock_timeout per attempt. None: still locked.
-async fn size_locked(client: &Client, oid: u32, attempts: u32) -> Result<Option<[i64; 4]>> {
+async fn size_locked(spec: &ConnectionSpec, client: &Client, oid: u32, attempts: u32) -> Result<Option<[i64; 4]>> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&oid];
     for attempt in 1..=attempts {
-        let res = client
-            .query_one(
-                "SELECT coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'main'), 0),
+        let statement = client.query_one(
+            "SELECT coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'main'), 0),
                         coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'fsm'), 0),
                         coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'vm'), 0),
                         coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'init'), 0)",
-                &[&oid],
-            )
-            .await;
-        match res {
+            &params,
+        );
+        match bounded(spec, client, catalog_bound(spec), statement).await {
             Ok(r) => return Ok(Some([r.get(0), r.get(1), r.get(2), r.get(3)])),
-            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+            Err(Failed::Server(e)) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
                 info!(oid, attempt, "relation locked while planning; trying again");
             }
-            Err(e) => return Err(Error::query(format!("sizing relation {oid}"), e)),
+            Err(f) => return Err(catalog_error(spec, format!("sizing relation {oid}"), f)),
         }
     }
     Ok(None)
@@ -644,7 +673,7 @@ pub async fn plan_locked_again(spec: &ConnectionSpec, plan: &mut Plan) -> Vec<Bl
         let here: Vec<usize> = locked.iter().copied().filter(|&i| plan.forks[i].database == db).collect();
         for i in here {
             let oid = plan.forks[i].oid;
-            let sizes = match size_locked(&client, oid, 1).await {
+            let sizes = match size_locked(spec, &client, oid, 1).await {
                 Ok(Some(sizes)) => sizes,
                 Ok(None) => {
                     info!(database = %db, relation = %plan.forks[i].name, "still locked after warming; stays skipped");

@@ -109,6 +109,32 @@ async fn a_half_open_connection_is_noticed_and_the_run_ends_complete(major: u32)
     );
 }
 
+/// Planning over a half-open connection: the catalog statements are client-bounded too, so the plan
+/// ends (the database skipped, or the run refused, with "no answer") instead of hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planning_over_a_half_open_connection_ends() {
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    for hold_after in [2500, 6000] {
+        let proxy = BlackholeProxy::start(cluster.port, hold_after, 1).await;
+        let spec = via_proxy(proxy.port).with_timeouts(Duration::from_secs(2), Duration::from_secs(3));
+        let started = Instant::now();
+        let res = tokio::time::timeout(Duration::from_secs(60), make_plan(&spec, &plan_opts(&["app"])))
+            .await
+            .expect("planning hung on a half-open connection");
+        assert_eq!(proxy.held(), 1, "the test did not hold a planning connection");
+        let said = match res {
+            Err(e) => e.to_string(),
+            Ok(plan) => plan.databases.iter().filter_map(|d| d.reason.clone()).collect::<Vec<_>>().join("; "),
+        };
+        assert!(said.contains("no answer"), "{said}");
+        eprintln!(
+            "measured: held after {hold_after} bytes: planning ended in {:.1} s: {said}",
+            started.elapsed().as_secs_f64()
+        );
+    }
+}
+
 /// A server down for longer than `reconnect_for` (a failover, a long reboot): the ranges stay pending,
 /// the report says which databases were unreachable and exits 3, and the next call (resume, or the
 /// workflow's retry) reads exactly the rest. A database dropped during the run vanished: it does not
