@@ -294,6 +294,16 @@ impl Shared {
         self.opts.deadline.map(|d| d.saturating_duration_since(Instant::now()))
     }
 
+    /// The statement timeout of the next statement: never past the deadline (minus half the margin),
+    /// never above the option; and whether the deadline capped it.
+    fn statement_timeout(&self) -> (Duration, bool) {
+        let timeout = self.opts.statement_timeout;
+        match self.time_left().map(|left| left.saturating_sub(self.opts.margin / 2)) {
+            Some(budget) if budget < timeout => (budget.max(Duration::from_millis(100)), true),
+            _ => (timeout, false),
+        }
+    }
+
     /// `limit`, and with a deadline, no later than a quarter margin before it.
     fn within_deadline(&self, limit: Duration) -> Duration {
         match self.time_left() {
@@ -640,16 +650,7 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, task: Ta
         return false;
     };
 
-    // Statement timeout: never past the deadline (minus half the margin), never above the option.
-    let mut timeout = s.opts.statement_timeout;
-    let mut capped_by_deadline = false;
-    if let Some(left) = s.time_left() {
-        let budget = left.saturating_sub(s.opts.margin / 2);
-        if budget < timeout {
-            timeout = budget.max(Duration::from_millis(100));
-            capped_by_deadline = true;
-        }
-    }
+    let (timeout, capped_by_deadline) = s.statement_timeout();
     let role = task.role_override.clone().or_else(|| fork.as_role.clone());
     let started = Instant::now();
     let result = read_range(s, sess, &prewarm, &fork, &range, timeout, role).await;
@@ -826,12 +827,7 @@ async fn run_batch(id: usize, s: &Shared, session: &mut Option<Session>, tasks: 
         put_back(tasks, true, false);
         return false;
     };
-    let timeout = match s.time_left() {
-        Some(left) => {
-            s.opts.statement_timeout.min(left.saturating_sub(s.opts.margin / 2)).max(Duration::from_millis(100))
-        }
-        None => s.opts.statement_timeout,
-    };
+    let (timeout, _) = s.statement_timeout();
     let role = s.plan.fork(&tasks[0].range).as_role.clone();
     let started = Instant::now();
     match read_batch(s, sess, &tasks, timeout, role).await {
