@@ -687,7 +687,7 @@ fn plan_table(plan: &Plan, all: bool) -> String {
             ranges,
             human_bytes(bytes),
             skipped,
-            d.reason.as_deref().unwrap_or(&d.outcome)
+            d.reason.as_deref().unwrap_or(d.outcome.as_str())
         );
     }
     let total: u64 = plan.planned_blocks() * bs;

@@ -14,7 +14,8 @@ use crate::connect::ConnectionSpec;
 use crate::error::{describe, Error, Result};
 use crate::pattern::{glob, RelationPattern};
 use crate::plan::{
-    order_ranges, BlockRange, DatabaseEntry, Fork, ForkEntry, Plan, RelKind, ServerInfo, Skip, SkipReason, PLAN_FORMAT,
+    order_ranges, BlockRange, DatabaseEntry, DatabaseOutcome, Fork, ForkEntry, Plan, RelKind, ServerInfo, Skip,
+    SkipReason, PLAN_FORMAT,
 };
 use crate::sql::prewarm_call;
 
@@ -32,8 +33,10 @@ pub struct PlanOptions {
     /// Change nothing (the `plan` command): where pg_prewarm is missing but available, plan as if
     /// `run` will create it, and say so in the database's reason.
     pub dry_run: bool,
-    /// Attempts (each waiting up to the session's lock_timeout) to size a relation that another
-    /// session holds ACCESS EXCLUSIVE; after the last, it is planned as skipped (lock_timeout).
+    /// Lock waits (each up to the session's lock_timeout) the whole plan may spend sizing relations
+    /// that another session holds ACCESS EXCLUSIVE. Once they are spent, a locked relation is planned
+    /// as skipped (lock_timeout) without waiting: a migration holding a thousand tables cannot stall
+    /// planning for a thousand lock timeouts (in a Lambda, past its 15 minutes).
     pub lock_attempts: u32,
 }
 
@@ -127,22 +130,76 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
     let (client, _) = connect_any(spec).await?;
     let server = server_info(spec, &client).await?;
     info!(server = %server.version, login_role = %server.login_role, superuser = server.is_superuser, "connected");
+    let dbs = list_databases(spec, &client).await?;
+    drop(client);
+    check_database_patterns(opts, &dbs)?;
 
+    let mut databases = Vec::new();
+    let mut forks: Vec<ForkEntry> = Vec::new();
+    // Per fork: Some((oid, fork)) for a shared catalog's fork (pg_authid, pg_database...).
+    let mut shared_keys: Vec<Option<(u32, Fork)>> = Vec::new();
+    let mut lock_waits = opts.lock_attempts.max(1);
+    for d in &dbs {
+        if let Some(entry) = database_left_out(d, opts, &server) {
+            databases.push(entry);
+            continue;
+        }
+        let (entry, listed) = plan_database(spec, d, opts, &server, &mut lock_waits).await;
+        databases.push(entry);
+        for (f, shared) in listed {
+            shared_keys.push(shared.then_some((f.oid, f.fork)));
+            forks.push(f);
+        }
+    }
+    let forks = read_shared_once(forks, &shared_keys);
+
+    for p in opts.include.iter().chain(&opts.first) {
+        if !forks.iter().any(|f| f.matched_by(p)) {
+            return Err(Error::InvalidInput(format!("relation pattern {:?} matches no relation", p.text)));
+        }
+    }
+
+    let ranges = order_ranges(&forks, &opts.first, opts.range_blocks);
+    let plan = Plan {
+        format: PLAN_FORMAT,
+        created_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        server,
+        range_blocks: opts.range_blocks,
+        databases,
+        forks,
+        ranges,
+        plan_seconds: started.elapsed().as_secs_f64(),
+    };
+    info!(
+        databases = plan.databases.iter().filter(|d| d.outcome == DatabaseOutcome::Planned).count(),
+        forks = plan.forks.len(),
+        ranges = plan.ranges.len(),
+        bytes = plan.bytes(plan.planned_blocks()),
+        seconds = plan.plan_seconds,
+        "planned"
+    );
+    Ok(plan)
+}
+
+async fn list_databases(spec: &ConnectionSpec, client: &Client) -> Result<Vec<DbRow>> {
     let statement = client.query(
         "SELECT datname::text, datallowconn, datistemplate,
                 has_database_privilege(oid, 'CONNECT')
            FROM pg_catalog.pg_database ORDER BY datname",
         &[],
     );
-    let rows = bounded(spec, &client, catalog_bound(spec), statement)
+    let rows = bounded(spec, client, catalog_bound(spec), statement)
         .await
         .map_err(|f| catalog_error(spec, "listing databases", f))?;
-    let dbs: Vec<DbRow> = rows
+    Ok(rows
         .iter()
         .map(|r| DbRow { name: r.get(0), allow_conn: r.get(1), template: r.get(2), can_connect: r.get(3) })
-        .collect();
-    drop(client);
+        .collect())
+}
 
+/// A pattern naming a database that does not exist is a mistake the user wants to hear about before
+/// anything is read.
+fn check_database_patterns(opts: &PlanOptions, dbs: &[DbRow]) -> Result<()> {
     for p in &opts.include_databases {
         if !dbs.iter().any(|d| glob(p, &d.name)) {
             let names: Vec<&str> = dbs.iter().map(|d| d.name.as_str()).collect();
@@ -160,84 +217,88 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
             )));
         }
     }
+    Ok(())
+}
 
-    let mut databases = Vec::new();
-    let mut forks: Vec<ForkEntry> = Vec::new();
-    // Per fork: Some((oid, fork)) for a shared catalog's fork (pg_authid, pg_database...).
-    let mut shared_keys: Vec<Option<(u32, Fork)>> = Vec::new();
-    for d in &dbs {
-        let included = if opts.include_databases.is_empty() {
-            !DEFAULT_EXCLUDED_DATABASES.contains(&d.name.as_str())
-        } else {
-            opts.include_databases.iter().any(|p| glob(p, &d.name))
-        };
-        let excluded_by = opts.exclude_databases.iter().find(|p| glob(p, &d.name));
-        let skip = |reason: String, counts: bool| DatabaseEntry {
-            name: d.name.clone(),
-            outcome: "skipped".into(),
-            reason: Some(reason),
-            prewarm_schema: None,
-            counts_against_coverage: counts,
-        };
-        if let Some(p) = excluded_by {
-            databases.push(DatabaseEntry {
-                outcome: "excluded".into(),
-                ..skip(format!("excluded by pattern {p:?}"), false)
-            });
-            continue;
+fn skipped_database(name: &str, reason: String, counts_against_coverage: bool) -> DatabaseEntry {
+    DatabaseEntry {
+        name: name.into(),
+        outcome: DatabaseOutcome::Skipped,
+        reason: Some(reason),
+        prewarm_schema: None,
+        counts_against_coverage,
+    }
+}
+
+/// Whether a database is left out before connecting to it, and why: patterns, templates, databases
+/// that allow no connections, and a missing CONNECT privilege (which counts against coverage: the
+/// user can fix it).
+fn database_left_out(d: &DbRow, opts: &PlanOptions, server: &ServerInfo) -> Option<DatabaseEntry> {
+    let included = if opts.include_databases.is_empty() {
+        !DEFAULT_EXCLUDED_DATABASES.contains(&d.name.as_str())
+    } else {
+        opts.include_databases.iter().any(|p| glob(p, &d.name))
+    };
+    let excluded = |reason: String| DatabaseEntry {
+        outcome: DatabaseOutcome::Excluded,
+        ..skipped_database(&d.name, reason, false)
+    };
+    if let Some(p) = opts.exclude_databases.iter().find(|p| glob(p, &d.name)) {
+        return Some(excluded(format!("excluded by pattern {p:?}")));
+    }
+    if !included {
+        return Some(excluded("not matched by the include patterns (or excluded by default)".into()));
+    }
+    if d.template {
+        return Some(skipped_database(&d.name, "template database".into(), false));
+    }
+    if !d.allow_conn {
+        return Some(skipped_database(&d.name, "does not allow connections (datallowconn = false)".into(), false));
+    }
+    if !d.can_connect {
+        let reason = format!(
+            "no CONNECT privilege for {}; fix: GRANT CONNECT ON DATABASE {} TO {}",
+            server.login_role,
+            quote_ident(&d.name),
+            quote_ident(&server.login_role)
+        );
+        return Some(skipped_database(&d.name, reason, true));
+    }
+    None
+}
+
+/// Connects to one database, makes sure pg_prewarm is there and lists its forks, each with whether it
+/// is a shared catalog's. A database that cannot be connected to, checked or listed is skipped with
+/// its reason; the other databases are still planned.
+async fn plan_database(
+    spec: &ConnectionSpec,
+    d: &DbRow,
+    opts: &PlanOptions,
+    server: &ServerInfo,
+    lock_waits: &mut u32,
+) -> (DatabaseEntry, Vec<(ForkEntry, bool)>) {
+    let client = match spec.connect(&d.name).await {
+        Ok(c) => c,
+        Err(e) => {
+            warn!(database = %d.name, error = %e, "database not connectable; skipped");
+            return (skipped_database(&d.name, format!("cannot connect: {e}"), true), Vec::new());
         }
-        if !included {
-            databases.push(DatabaseEntry {
-                outcome: "excluded".into(),
-                ..skip("not matched by the include patterns (or excluded by default)".into(), false)
-            });
-            continue;
+    };
+    let listed = async {
+        let ext = ensure_extension(spec, &client, &d.name, opts, server.in_recovery).await?;
+        let forks = list_forks(spec, &client, &d.name, server, lock_waits).await?;
+        Ok::<_, Error>((ext, forks))
+    };
+    let ((prewarm_schema, ext_problem, note), db_forks) = match listed.await {
+        Ok(x) => x,
+        Err(e) => {
+            warn!(database = %d.name, error = %e, "database could not be planned; skipped");
+            return (skipped_database(&d.name, format!("could not be planned: {e}"), true), Vec::new());
         }
-        if d.template {
-            databases.push(skip("template database".into(), false));
-            continue;
-        }
-        if !d.allow_conn {
-            databases.push(skip("does not allow connections (datallowconn = false)".into(), false));
-            continue;
-        }
-        if !d.can_connect {
-            databases.push(skip(
-                format!(
-                    "no CONNECT privilege for {}; fix: GRANT CONNECT ON DATABASE {} TO {}",
-                    server.login_role,
-                    quote_ident(&d.name),
-                    quote_ident(&server.login_role)
-                ),
-                true,
-            ));
-            continue;
-        }
-        let client = match spec.connect(&d.name).await {
-            Ok(c) => c,
-            Err(e) => {
-                warn!(database = %d.name, error = %e, "database not connectable; skipped");
-                databases.push(skip(format!("cannot connect: {e}"), true));
-                continue;
-            }
-        };
-        // A database whose extension check or listing fails is skipped with its reason, as documented;
-        // the other databases are still planned.
-        let listed = async {
-            let ext = ensure_extension(spec, &client, &d.name, opts, server.in_recovery).await?;
-            let forks = list_forks(spec, &client, &d.name, &server, opts.lock_attempts.max(1)).await?;
-            Ok::<_, Error>((ext, forks))
-        };
-        let ((prewarm_schema, ext_problem, note), db_forks) = match listed.await {
-            Ok(x) => x,
-            Err(e) => {
-                warn!(database = %d.name, error = %e, "database could not be planned; skipped");
-                databases.push(skip(format!("could not be planned: {e}"), true));
-                continue;
-            }
-        };
-        for listed in db_forks {
-            let shared = listed.kind_is_shared;
+    };
+    let forks = db_forks
+        .into_iter()
+        .map(|listed| {
             let mut f = listed.entry;
             let included = opts.include.is_empty() || opts.include.iter().any(|p| f.matched_by(p));
             let excluded = opts.exclude.iter().any(|p| f.matched_by(p));
@@ -250,47 +311,17 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
                     fix: Some("CREATE EXTENSION pg_prewarm (as a superuser or rds_superuser)".into()),
                 });
             }
-            shared_keys.push(shared.then_some((f.oid, f.fork)));
-            forks.push(f);
-        }
-        databases.push(DatabaseEntry {
-            name: d.name.clone(),
-            outcome: if ext_problem.is_some() { "skipped".into() } else { "planned".into() },
-            reason: ext_problem.or(note),
-            prewarm_schema,
-            counts_against_coverage: true,
-        });
-    }
-
-    let forks = read_shared_once(forks, &shared_keys);
-
-    for p in opts.include.iter().chain(&opts.first) {
-        let hit = forks.iter().any(|f| f.matched_by(p));
-        if !hit {
-            return Err(Error::InvalidInput(format!("relation pattern {:?} matches no relation", p.text)));
-        }
-    }
-
-    let ranges = order_ranges(&forks, &opts.first, opts.range_blocks);
-    let plan = Plan {
-        format: PLAN_FORMAT,
-        created_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
-        server,
-        range_blocks: opts.range_blocks,
-        databases,
-        forks,
-        ranges,
-        plan_seconds: started.elapsed().as_secs_f64(),
+            (f, listed.kind_is_shared)
+        })
+        .collect();
+    let entry = DatabaseEntry {
+        name: d.name.clone(),
+        outcome: if ext_problem.is_some() { DatabaseOutcome::Skipped } else { DatabaseOutcome::Planned },
+        reason: ext_problem.or(note),
+        prewarm_schema,
+        counts_against_coverage: true,
     };
-    info!(
-        databases = plan.databases.iter().filter(|d| d.outcome == "planned").count(),
-        forks = plan.forks.len(),
-        ranges = plan.ranges.len(),
-        bytes = plan.bytes(plan.planned_blocks()),
-        seconds = plan.plan_seconds,
-        "planned"
-    );
-    Ok(plan)
+    (entry, forks)
 }
 
 /// Shared catalogs (pg_authid, pg_database, ...) appear in every database and are read once: from the
@@ -420,7 +451,7 @@ async fn list_forks(
     client: &Client,
     db: &str,
     server: &ServerInfo,
-    attempts: u32,
+    lock_waits: &mut u32,
 ) -> Result<Vec<Listed>> {
     // pg_prewarm's privilege check is SELECT on the relation. For an index, current minor releases
     // (seen on 15.18, 16.15, 17.11, 18.6) check the index's table instead; older minors checked the
@@ -575,7 +606,7 @@ async fn list_forks(
             [row.get("size_main"), row.get("size_fsm"), row.get("size_vm"), row.get("size_init")];
         let mut planned_skip = planned_skip;
         if sizes[0].is_none() {
-            match size_locked(spec, client, oid, attempts).await? {
+            match size_locked(spec, client, oid, lock_waits).await? {
                 Some(s) => sizes = s.map(Some),
                 None => {
                     let estimate: i64 = row.get("relpages");
@@ -583,9 +614,8 @@ async fn list_forks(
                     planned_skip = Some(Skip {
                         reason: SkipReason::LockTimeout,
                         detail: format!(
-                            "held ACCESS EXCLUSIVE by another session throughout planning ({attempts} attempts{}); \
-                             size unknown, about {estimate} blocks by relpages",
-                            if attempts == 1 { ", and again after warming" } else { "" }
+                            "held ACCESS EXCLUSIVE by another session throughout planning, and tried once more \
+                             after warming; size unknown, about {estimate} blocks by relpages"
                         ),
                         fix: Some("run again once the lock is released".into()),
                     });
@@ -622,10 +652,17 @@ async fn list_forks(
     Ok(out)
 }
 
-/// Sizes one relation's four forks, waiting up to lock_timeout per attempt. None: still locked.
-async fn size_locked(spec: &ConnectionSpec, client: &Client, oid: u32, attempts: u32) -> Result<Option<[i64; 4]>> {
+/// Sizes one relation's four forks, each attempt waiting up to lock_timeout and spending one of
+/// `lock_waits`. None: still locked, or no wait left (then nothing is tried).
+async fn size_locked(
+    spec: &ConnectionSpec,
+    client: &Client,
+    oid: u32,
+    lock_waits: &mut u32,
+) -> Result<Option<[i64; 4]>> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&oid];
-    for attempt in 1..=attempts {
+    while *lock_waits > 0 {
+        *lock_waits -= 1;
         let statement = client.query_one(
             "SELECT coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'main'), 0),
                         coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'fsm'), 0),
@@ -636,7 +673,7 @@ async fn size_locked(spec: &ConnectionSpec, client: &Client, oid: u32, attempts:
         match bounded(spec, client, catalog_bound(spec), statement).await {
             Ok(r) => return Ok(Some([r.get(0), r.get(1), r.get(2), r.get(3)])),
             Err(Failed::Server(e)) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
-                info!(oid, attempt, "relation locked while planning; trying again");
+                info!(oid, waits_left = *lock_waits, "relation locked while planning");
             }
             Err(f) => return Err(catalog_error(spec, format!("sizing relation {oid}"), f)),
         }
@@ -673,7 +710,7 @@ pub async fn plan_locked_again(spec: &ConnectionSpec, plan: &mut Plan) -> Vec<Bl
         let here: Vec<usize> = locked.iter().copied().filter(|&i| plan.forks[i].database == db).collect();
         for i in here {
             let oid = plan.forks[i].oid;
-            let sizes = match size_locked(spec, &client, oid, 1).await {
+            let sizes = match size_locked(spec, &client, oid, &mut 1).await {
                 Ok(Some(sizes)) => sizes,
                 Ok(None) => {
                     info!(database = %db, relation = %plan.forks[i].name, "still locked after warming; stays skipped");
@@ -749,5 +786,45 @@ mod tests {
         // Not shared: every database keeps its own.
         let kept = read_shared_once(vec![shared("a", 5, false), shared("b", 5, false)], &[None, None]);
         assert_eq!(kept.len(), 2);
+    }
+
+    #[test]
+    fn databases_are_left_out_before_connecting_only_for_a_stated_reason() {
+        let server = ServerInfo {
+            version_num: 170000,
+            version: "17.0".into(),
+            block_size: 8192,
+            login_role: "hydrator".into(),
+            is_superuser: false,
+            max_connections: 100,
+            reserved_connections: 3,
+            connections_in_use: 1,
+            io_method: None,
+            in_recovery: false,
+        };
+        let db = |name: &str| DbRow { name: name.into(), allow_conn: true, template: false, can_connect: true };
+        let verdict = |d: &DbRow, opts: &PlanOptions| {
+            database_left_out(d, opts, &server).map(|e| (e.outcome, e.counts_against_coverage, e.reason.unwrap()))
+        };
+        let all = PlanOptions::default();
+        assert_eq!(verdict(&db("app"), &all), None);
+        let (outcome, counts, _) = verdict(&db("rdsadmin"), &all).unwrap();
+        assert_eq!((outcome, counts), (DatabaseOutcome::Excluded, false));
+        let named = PlanOptions { include_databases: vec!["rds*".into()], ..Default::default() };
+        assert_eq!(verdict(&db("rdsadmin"), &named), None, "an include pattern brings back a default exclusion");
+        let (outcome, _, why) = verdict(&db("app"), &named).unwrap();
+        assert_eq!(outcome, DatabaseOutcome::Excluded, "{why}");
+        let excluded = PlanOptions { exclude_databases: vec!["a*".into()], ..Default::default() };
+        let (outcome, _, why) = verdict(&db("app"), &excluded).unwrap();
+        assert_eq!((outcome, why.as_str()), (DatabaseOutcome::Excluded, "excluded by pattern \"a*\""));
+        let template = DbRow { template: true, ..db("template1") };
+        assert_eq!(verdict(&template, &all).map(|v| (v.0, v.1)), Some((DatabaseOutcome::Skipped, false)));
+        let closed = DbRow { allow_conn: false, ..db("closed") };
+        assert_eq!(verdict(&closed, &all).map(|v| (v.0, v.1)), Some((DatabaseOutcome::Skipped, false)));
+        // No CONNECT: the user can fix it, so it counts against coverage and the fix is named.
+        let refused = DbRow { can_connect: false, ..db("my db") };
+        let (outcome, counts, why) = verdict(&refused, &all).unwrap();
+        assert_eq!((outcome, counts), (DatabaseOutcome::Skipped, true));
+        assert!(why.ends_with("GRANT CONNECT ON DATABASE \"my db\" TO \"hydrator\""), "{why}");
     }
 }

@@ -144,11 +144,16 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-impl ConnectionSpec {
-    /// Builds the spec from an optional connection string (URL or key=value) over the PG* environment
-    /// variables (PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGSSLMODE, PGSSLROOTCERT,
-    /// PGCONNECT_TIMEOUT). Values in the string win over the environment, as in libpq.
-    pub fn parse(conn: Option<&str>, env: impl Fn(&str) -> Option<String>) -> Result<Self> {
+/// What a connection string and the PG* environment say, before pghydrate's defaults.
+struct Settings {
+    config: Config,
+    tls: TlsMode,
+    ca_file: Option<PathBuf>,
+    user_options: Option<String>,
+}
+
+impl Settings {
+    fn from_environment(env: &impl Fn(&str) -> Option<String>) -> Result<Self> {
         let mut config = Config::new();
         if let Some(h) = env("PGHOST") {
             for host in h.split(',') {
@@ -168,7 +173,6 @@ impl ConnectionSpec {
         if let Some(d) = env("PGDATABASE") {
             config.dbname(&d);
         }
-        let mut user_options = env("PGOPTIONS").filter(|o| !o.trim().is_empty());
         if let Some(t) = env("PGCONNECT_TIMEOUT") {
             let secs: u64 = t
                 .parse()
@@ -177,55 +181,66 @@ impl ConnectionSpec {
         }
         // verify-full unless told otherwise: a hydration runs with a privileged login against a
         // production server, so the server's identity is checked by default (libpq's default is prefer).
-        let mut tls = match env("PGSSLMODE") {
+        let tls = match env("PGSSLMODE") {
             Some(m) => m.parse()?,
             None => TlsMode::VerifyFull,
         };
-        let mut ca_file = env("PGSSLROOTCERT").map(PathBuf::from);
+        Ok(Settings {
+            config,
+            tls,
+            ca_file: env("PGSSLROOTCERT").map(PathBuf::from),
+            user_options: env("PGOPTIONS").filter(|o| !o.trim().is_empty()),
+        })
+    }
 
-        if let Some(conn) = conn {
-            let mut s = conn.trim().to_string();
-            if let Some(m) = take_param(&mut s, "sslmode") {
-                tls = m.parse()?;
-            }
-            if let Some(f) = take_param(&mut s, "sslrootcert") {
-                ca_file = Some(PathBuf::from(f));
-            }
-            // A bare word that is neither a URL nor key=value is taken as a database name, like psql.
-            let parsed = if !s.is_empty() && !s.contains('=') && !s.contains("://") {
-                let mut c = Config::new();
-                c.dbname(&s);
-                c
-            } else if s.is_empty() {
-                Config::new()
-            } else {
-                Config::from_str(&s)
-                    .map_err(|e| Error::InvalidInput(format!("connection string is not valid: {}", describe(&e))))?
-            };
-            if !parsed.get_hosts().is_empty() {
-                config = overlay_hosts(config, &parsed);
-            }
-            if !parsed.get_ports().is_empty() {
-                for p in parsed.get_ports() {
-                    config.port(*p);
-                }
-            }
-            if let Some(u) = parsed.get_user() {
-                config.user(u);
-            }
-            if let Some(pw) = parsed.get_password() {
-                config.password(pw);
-            }
-            if let Some(d) = parsed.get_dbname() {
-                config.dbname(d);
-            }
-            if let Some(t) = parsed.get_connect_timeout() {
-                config.connect_timeout(*t);
-            }
-            if let Some(o) = parsed.get_options().filter(|o| !o.trim().is_empty()) {
-                user_options = Some(o.to_string());
-            }
+    /// Lays a connection string (URL, key=value, or a bare database name as psql takes it) over
+    /// these settings: what it names wins.
+    fn overlay(&mut self, conn: &str) -> Result<()> {
+        let mut s = conn.trim().to_string();
+        if let Some(m) = take_param(&mut s, "sslmode") {
+            self.tls = m.parse()?;
         }
+        if let Some(f) = take_param(&mut s, "sslrootcert") {
+            self.ca_file = Some(PathBuf::from(f));
+        }
+        let parsed = if s.is_empty() {
+            Config::new()
+        } else if !s.contains('=') && !s.contains("://") {
+            let mut c = Config::new();
+            c.dbname(&s);
+            c
+        } else {
+            Config::from_str(&s)
+                .map_err(|e| Error::InvalidInput(format!("connection string is not valid: {}", describe(&e))))?
+        };
+        let config = &mut self.config;
+        if !parsed.get_hosts().is_empty() {
+            *config = overlay_hosts(config.clone(), &parsed);
+        }
+        for p in parsed.get_ports() {
+            config.port(*p);
+        }
+        if let Some(u) = parsed.get_user() {
+            config.user(u);
+        }
+        if let Some(pw) = parsed.get_password() {
+            config.password(pw);
+        }
+        if let Some(d) = parsed.get_dbname() {
+            config.dbname(d);
+        }
+        if let Some(t) = parsed.get_connect_timeout() {
+            config.connect_timeout(*t);
+        }
+        if let Some(o) = parsed.get_options().filter(|o| !o.trim().is_empty()) {
+            self.user_options = Some(o.to_string());
+        }
+        Ok(())
+    }
+
+    /// libpq's defaults for what nothing named: localhost, the OS user, and a 10 s connect timeout.
+    fn fill_defaults(&mut self, env: &impl Fn(&str) -> Option<String>) {
+        let config = &mut self.config;
         if config.get_hosts().is_empty() {
             config.host("localhost");
         }
@@ -236,6 +251,20 @@ impl ConnectionSpec {
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_secs(10));
         }
+    }
+}
+
+impl ConnectionSpec {
+    /// Builds the spec from an optional connection string (URL or key=value) over the PG* environment
+    /// variables (PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGSSLMODE, PGSSLROOTCERT,
+    /// PGCONNECT_TIMEOUT, PGOPTIONS). Values in the string win over the environment, as in libpq.
+    pub fn parse(conn: Option<&str>, env: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut settings = Settings::from_environment(&env)?;
+        if let Some(conn) = conn {
+            settings.overlay(conn)?;
+        }
+        settings.fill_defaults(&env);
+        let Settings { config, tls, ca_file, user_options } = settings;
         Ok(ConnectionSpec {
             config,
             tls,

@@ -49,13 +49,21 @@ pub struct Targets {
     pub unlisted: Vec<MaintenanceResult>,
 }
 
+/// What became of one maintenance statement.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum MaintenanceOutcome {
+    Done,
+    /// Not run or not finished; the result's reason says why (and, when cut, the statement to run).
+    Skipped,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct MaintenanceResult {
     pub database: String,
     pub table: String,
     pub action: String,
-    /// "done" or "skipped".
-    pub outcome: String,
+    pub outcome: MaintenanceOutcome,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     pub seconds: f64,
@@ -151,7 +159,7 @@ pub async fn targets(
                     database: db.clone(),
                     table: "(every table)".into(),
                     action: action.statement().into(),
-                    outcome: "skipped".into(),
+                    outcome: MaintenanceOutcome::Skipped,
                     reason: Some(format!("cannot list the tables: {e}")),
                     seconds: 0.0,
                 });
@@ -198,14 +206,15 @@ pub async fn maintain(
             pending.push_front(t);
             break;
         }
-        let result = |action: &str, outcome: &str, reason: Option<String>, seconds: f64| MaintenanceResult {
-            database: t.database.clone(),
-            table: t.table.clone(),
-            action: action.into(),
-            outcome: outcome.into(),
-            reason,
-            seconds,
-        };
+        let result =
+            |action: &str, outcome: MaintenanceOutcome, reason: Option<String>, seconds: f64| MaintenanceResult {
+                database: t.database.clone(),
+                table: t.table.clone(),
+                action: action.into(),
+                outcome,
+                reason,
+                seconds,
+            };
         let planned_action = opts.action.statement();
         if session.as_ref().is_none_or(|(db, _, _, _)| db != &t.database) {
             session = None;
@@ -225,7 +234,12 @@ pub async fn maintain(
             match opened.await {
                 Ok(s) => session = Some(s),
                 Err(e) => {
-                    results.push(result(planned_action, "skipped", Some(format!("cannot connect: {e}")), 0.0));
+                    results.push(result(
+                        planned_action,
+                        MaintenanceOutcome::Skipped,
+                        Some(format!("cannot connect: {e}")),
+                        0.0,
+                    ));
                     continue;
                 }
             }
@@ -234,7 +248,7 @@ pub async fn maintain(
         if *standby {
             results.push(result(
                 planned_action,
-                "skipped",
+                MaintenanceOutcome::Skipped,
                 Some(
                     "the server is a standby (in recovery), where nothing can be written: maintain the primary, \
                      and its statistics replicate"
@@ -277,16 +291,21 @@ pub async fn maintain(
         match res {
             Ok((action, None)) => {
                 tracing::debug!(database = %t.database, table = %t.table, action, seconds = secs, "maintained");
-                results.push(result(action, "done", None, secs));
+                results.push(result(action, MaintenanceOutcome::Done, None, secs));
             }
-            Ok((action, Some(reason))) => results.push(result(action, "skipped", Some(reason), secs)),
+            Ok((action, Some(reason))) => results.push(result(action, MaintenanceOutcome::Skipped, Some(reason), secs)),
             Err(Failed::Stopped) => {
                 pending.push_front(t);
                 break;
             }
             Err(f) if f.disposition() == Disposition::SessionLost => {
                 session = None;
-                results.push(result(planned_action, "skipped", Some(format!("session lost: {}", f.describe())), secs));
+                results.push(result(
+                    planned_action,
+                    MaintenanceOutcome::Skipped,
+                    Some(format!("session lost: {}", f.describe())),
+                    secs,
+                ));
             }
             Err(f) if f.disposition() == Disposition::Canceled && timeout < opts.statement_timeout => {
                 // Cut by the deadline, not by its own timeout.
@@ -296,7 +315,7 @@ pub async fn maintain(
                     warn!(database = %t.database, table = %t.table, "maintenance statement longer than a call; reported");
                     results.push(result(
                         planned_action,
-                        "skipped",
+                        MaintenanceOutcome::Skipped,
                         Some(format!(
                             "did not finish within the time left in two calls ({:.0} s in the last); run it from a host \
                              without a time limit: {st} (in database {:?})",
@@ -312,11 +331,11 @@ pub async fn maintain(
             }
             Err(f) => {
                 warn!(database = %t.database, table = %t.table, error = %f.describe(), "maintenance skipped");
-                results.push(result(planned_action, "skipped", Some(f.describe()), secs));
+                results.push(result(planned_action, MaintenanceOutcome::Skipped, Some(f.describe()), secs));
             }
         }
     }
-    let done = results.iter().filter(|r| r.outcome == "done").count();
+    let done = results.iter().filter(|r| r.outcome == MaintenanceOutcome::Done).count();
     info!(done, skipped = results.len() - done, left = pending.len(), "maintenance");
     (results, pending.into())
 }

@@ -170,11 +170,32 @@ impl ForkEntry {
     }
 }
 
+/// What planning did with a database.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum DatabaseOutcome {
+    /// Listed; its forks are in the plan.
+    Planned,
+    /// Could not be planned (reason says why); counts against coverage unless it never could be read.
+    Skipped,
+    /// Left out by the include/exclude patterns or the default exclusions.
+    Excluded,
+}
+
+impl DatabaseOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DatabaseOutcome::Planned => "planned",
+            DatabaseOutcome::Skipped => "skipped",
+            DatabaseOutcome::Excluded => "excluded",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct DatabaseEntry {
     pub name: String,
-    /// "planned", "skipped" or "excluded".
-    pub outcome: String,
+    pub outcome: DatabaseOutcome,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// The schema pg_prewarm's extension lives in. A label for people: the function a session calls

@@ -7,10 +7,47 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::error::exit;
-use crate::maintain::MaintenanceResult;
-use crate::plan::{RelKind, SkipReason};
+use crate::maintain::{MaintenanceOutcome, MaintenanceResult};
+use crate::plan::{DatabaseOutcome, RelKind, SkipReason};
 use crate::run::RunState;
 use crate::warm::RangeResult;
+
+/// How a run ended, with its exit code (`RunStatus::exit_code`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    /// Every planned byte still there was read and every database was planned.
+    Complete,
+    /// Finished, but something was skipped (reasons in the report).
+    Incomplete,
+    /// The time limit came first; a continuation holds what is left.
+    StoppedAtDeadline,
+    /// A database stayed unreachable; a continuation holds its ranges.
+    StoppedUnreachable,
+    /// Ctrl-C or SIGTERM; a continuation holds what is left.
+    Interrupted,
+}
+
+impl RunStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Complete => "complete",
+            RunStatus::Incomplete => "incomplete",
+            RunStatus::StoppedAtDeadline => "stopped_at_deadline",
+            RunStatus::StoppedUnreachable => "stopped_unreachable",
+            RunStatus::Interrupted => "interrupted",
+        }
+    }
+
+    pub fn exit_code(self) -> i32 {
+        match self {
+            RunStatus::Complete => exit::COMPLETE,
+            RunStatus::Incomplete => exit::INCOMPLETE,
+            RunStatus::StoppedAtDeadline | RunStatus::Interrupted => exit::STOPPED_AT_DEADLINE,
+            RunStatus::StoppedUnreachable => exit::CONNECTION,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Report {
@@ -22,8 +59,7 @@ pub struct Report {
     pub mode: String,
     pub sessions: u32,
     pub maintenance_action: String,
-    /// "complete", "incomplete" or "stopped_at_deadline".
-    pub status: String,
+    pub status: RunStatus,
     pub exit_code: i32,
     /// Databases that could not be reached, with why: their ranges are left for the continuation.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
@@ -58,9 +94,23 @@ pub struct ReasonTotal {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct DatabaseReport {
     pub name: String,
-    pub outcome: String,
+    pub outcome: DatabaseOutcome,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+}
+
+/// What became of one relation fork.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ForkOutcome {
+    /// Every block still there was read (a fork that shrank says so in its reason).
+    Warmed,
+    /// Some blocks were not read; reason_code, reason and fix say why.
+    Skipped,
+    /// Left out by a pattern; not counted in coverage.
+    Excluded,
+    /// Left for the continuation (deadline, interruption or an unreachable database).
+    Pending,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -74,8 +124,7 @@ pub struct RelationReport {
     /// Blocks when planned.
     pub blocks: u64,
     pub warmed_blocks: u64,
-    /// "warmed", "skipped", "excluded" or "pending".
-    pub outcome: String,
+    pub outcome: ForkOutcome,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason_code: Option<SkipReason>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -137,7 +186,7 @@ pub fn build(state: &RunState) -> Report {
         mode: state.mode.as_str().into(),
         sessions: state.sessions,
         maintenance_action: serde_json::to_value(state.maintenance).unwrap().as_str().unwrap_or("").into(),
-        status: String::new(),
+        status: RunStatus::Complete,
         exit_code: 0,
         unreachable: Default::default(),
         coverage: 0.0,
@@ -151,7 +200,7 @@ pub fn build(state: &RunState) -> Report {
         databases: plan
             .databases
             .iter()
-            .map(|d| DatabaseReport { name: d.name.clone(), outcome: d.outcome.clone(), reason: d.reason.clone() })
+            .map(|d| DatabaseReport { name: d.name.clone(), outcome: d.outcome, reason: d.reason.clone() })
             .collect(),
         relations: Vec::with_capacity(plan.forks.len()),
         maintenance: state.maintenance_results.clone(),
@@ -175,14 +224,14 @@ pub fn build(state: &RunState) -> Report {
             fork: f.fork.as_str().into(),
             blocks: f.blocks,
             warmed_blocks: t.warmed,
-            outcome: "warmed".into(),
+            outcome: ForkOutcome::Warmed,
             reason_code: None,
             reason: None,
             fix: None,
         };
         if f.excluded {
             report.excluded_bytes += bytes;
-            rel.outcome = "excluded".into();
+            rel.outcome = ForkOutcome::Excluded;
             rel.reason = Some("excluded by pattern".into());
             report.relations.push(rel);
             continue;
@@ -199,19 +248,19 @@ pub fn build(state: &RunState) -> Report {
             let e = report.skipped_by_reason.entry(reason_name(s.reason)).or_default();
             e.forks += 1;
             e.bytes += blocks * bs;
-            rel.outcome = "skipped".into();
+            rel.outcome = ForkOutcome::Skipped;
             rel.reason_code = Some(s.reason);
             rel.reason = Some(s.detail);
             rel.fix = s.fix;
         } else if t.pending > 0 {
-            rel.outcome = "pending".into();
+            rel.outcome = ForkOutcome::Pending;
         } else if let Some(v) = &t.vanish {
             let e = report.skipped_by_reason.entry(reason_name(v.reason)).or_default();
             e.forks += 1;
             e.bytes += t.vanished * bs;
             rel.reason_code = Some(v.reason);
             if t.warmed == 0 {
-                rel.outcome = "skipped".into();
+                rel.outcome = ForkOutcome::Skipped;
                 rel.reason = Some(v.detail.clone());
             } else {
                 rel.reason = Some(format!(
@@ -227,21 +276,20 @@ pub fn build(state: &RunState) -> Report {
 
     let live = report.total_bytes - report.vanished_bytes;
     report.coverage = if live == 0 { 1.0 } else { report.warmed_bytes as f64 / live as f64 };
-    let db_missed = plan.databases.iter().any(|d| d.outcome == "skipped" && d.counts_against_coverage);
+    let db_missed = plan.databases.iter().any(|d| d.outcome == DatabaseOutcome::Skipped && d.counts_against_coverage);
     report.unreachable = state.unreachable.clone();
-    let (status, code) = if !state.finished() && !state.unreachable.is_empty() {
-        ("stopped_unreachable", exit::CONNECTION)
+    report.status = if !state.finished() && !state.unreachable.is_empty() {
+        RunStatus::StoppedUnreachable
     } else if !state.finished() && state.interrupted.is_some() {
-        ("interrupted", exit::STOPPED_AT_DEADLINE)
+        RunStatus::Interrupted
     } else if !state.finished() {
-        ("stopped_at_deadline", exit::STOPPED_AT_DEADLINE)
+        RunStatus::StoppedAtDeadline
     } else if report.warmed_bytes < live || db_missed {
-        ("incomplete", exit::INCOMPLETE)
+        RunStatus::Incomplete
     } else {
-        ("complete", exit::COMPLETE)
+        RunStatus::Complete
     };
-    report.status = status.into();
-    report.exit_code = code;
+    report.exit_code = report.status.exit_code();
     if state.warm_seconds > 0.0 {
         report.throughput.warmed_bytes_per_second = report.warmed_bytes as f64 / state.warm_seconds;
         report.throughput.warmed_mib_per_second = report.throughput.warmed_bytes_per_second / (1024.0 * 1024.0);
@@ -272,21 +320,21 @@ impl Report {
     /// A few lines for people; the JSON report has everything.
     pub fn summary(&self) -> String {
         let mut s = String::new();
-        let planned = self.databases.iter().filter(|d| d.outcome == "planned").count();
+        let planned = self.databases.iter().filter(|d| d.outcome == DatabaseOutcome::Planned).count();
         let _ = writeln!(
             s,
             "pghydrate {}: {} as {}, mode {}, {} sessions",
-            self.status,
+            self.status.as_str(),
             self.server_version.split(" on ").next().unwrap_or(&self.server_version),
             self.login_role,
             self.mode,
             self.sessions
         );
         let _ = writeln!(s, "  databases: {planned} hydrated");
-        for d in self.databases.iter().filter(|d| d.outcome != "planned") {
-            let _ = writeln!(s, "    {} {}: {}", d.outcome, d.name, d.reason.as_deref().unwrap_or(""));
+        for d in self.databases.iter().filter(|d| d.outcome != DatabaseOutcome::Planned) {
+            let _ = writeln!(s, "    {} {}: {}", d.outcome.as_str(), d.name, d.reason.as_deref().unwrap_or(""));
         }
-        let forks = self.relations.iter().filter(|r| r.outcome != "excluded").count();
+        let forks = self.relations.iter().filter(|r| r.outcome != ForkOutcome::Excluded).count();
         let _ = writeln!(
             s,
             "  relation forks: {forks}, {}; warmed {} ({:.2}% coverage) in {:.1} s ({:.1} MiB/s)",
@@ -299,7 +347,8 @@ impl Report {
         for (reason, t) in &self.skipped_by_reason {
             let _ = writeln!(s, "    {reason}: {} forks, {}", t.forks, human_bytes(t.bytes));
         }
-        let mut skipped: Vec<&RelationReport> = self.relations.iter().filter(|r| r.outcome == "skipped").collect();
+        let mut skipped: Vec<&RelationReport> =
+            self.relations.iter().filter(|r| r.outcome == ForkOutcome::Skipped).collect();
         skipped.sort_by_key(|r| std::cmp::Reverse(r.blocks));
         for r in skipped.iter().take(10) {
             let _ = writeln!(
@@ -326,7 +375,7 @@ impl Report {
             let _ = writeln!(s, "  left for the continuation: {}", human_bytes(self.pending_bytes));
         }
         if !self.maintenance.is_empty() {
-            let done = self.maintenance.iter().filter(|m| m.outcome == "done").count();
+            let done = self.maintenance.iter().filter(|m| m.outcome == MaintenanceOutcome::Done).count();
             let _ = writeln!(
                 s,
                 "  maintenance ({}): {done} tables done, {} skipped in {:.1} s",

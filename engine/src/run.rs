@@ -193,8 +193,13 @@ impl RunState {
         let targets = match self.maintenance_pending.take() {
             Some(t) => t,
             None => {
-                let databases: Vec<String> =
-                    self.plan.databases.iter().filter(|d| d.outcome == "planned").map(|d| d.name.clone()).collect();
+                let databases: Vec<String> = self
+                    .plan
+                    .databases
+                    .iter()
+                    .filter(|d| d.outcome == crate::plan::DatabaseOutcome::Planned)
+                    .map(|d| d.name.clone())
+                    .collect();
                 // Excluded: the tables of excluded forks, and a partitioned table all of whose
                 // partitions are excluded (its ANALYZE would read them).
                 let parents = |f: &'_ crate::plan::ForkEntry| {

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::connect::ConnectionSpec;
 use crate::error::{Error, Result};
-use crate::plan::{BlockRange, DatabaseEntry, ForkEntry, Plan};
+use crate::plan::{BlockRange, DatabaseEntry, DatabaseOutcome, ForkEntry, Plan};
 use crate::warm::{self, Counters, Mode, RangeOutcome, RangeResult, WarmOptions};
 
 /// Step Functions' limit on a state's input or output.
@@ -63,6 +63,18 @@ pub struct WorkItem {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub skipped: BTreeMap<u32, String>,
     pub calls: u32,
+    /// Main forks (indices into `forks`) that another session held ACCESS EXCLUSIVE throughout
+    /// planning. The item's first call sizes them once more and reads them, or reports them skipped
+    /// (`lock_timeout`); such items come last, so the lock has had the whole warm phase to go away.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub locked: Vec<u32>,
+    /// Range size for what `locked` adds.
+    #[serde(default = "default_range_blocks")]
+    pub range_blocks: u64,
+}
+
+fn default_range_blocks() -> u64 {
+    crate::plan::DEFAULT_RANGE_BLOCKS
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -70,6 +82,10 @@ pub struct ItemTotals {
     pub warmed_blocks: u64,
     pub vanished_blocks: u64,
     pub skipped_blocks: u64,
+    /// Blocks this item added to the instance's total: relations locked while planning, which the
+    /// plan's total leaves out, sized by this item (every fork), or their estimate if still locked.
+    #[serde(default)]
+    pub added_blocks: u64,
 }
 
 /// Cuts a plan into work items of at most `max_blocks` blocks, `max_ranges` ranges and
@@ -102,6 +118,8 @@ pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec
                     done: ItemTotals::default(),
                     skipped: BTreeMap::new(),
                     calls: 0,
+                    locked: Vec::new(),
+                    range_blocks: plan.range_blocks,
                 };
                 sizes.push(json_len(&item) + 64);
                 items.push(item);
@@ -148,7 +166,13 @@ impl WorkItem {
     pub async fn advance(&mut self, spec: &ConnectionSpec, opts: &WarmOptions) -> Result<()> {
         // An item comes from state that someone may have edited: it is data, and must be consistent.
         crate::plan::check_state(self.block_size, &self.pending, self.forks.len())?;
+        if self.locked.iter().any(|&i| i as usize >= self.forks.len()) {
+            return Err(Error::InvalidInput(format!("work item {}: a locked fork index is out of range", self.id)));
+        }
         self.calls += 1;
+        if !self.locked.is_empty() {
+            self.size_locked_again(spec).await;
+        }
         if self.pending.is_empty() {
             return Ok(());
         }
@@ -183,6 +207,28 @@ impl WorkItem {
         Ok(())
     }
 
+    /// One more try at the relations locked while planning: each that can be sized now gets its forks
+    /// and ranges added to `pending`; each still locked (or whose database cannot be reached) is
+    /// skipped with the planner's reason. Either way the item's total grows by what it accounts for.
+    async fn size_locked_again(&mut self, spec: &ConnectionSpec) {
+        let mut plan = self.as_plan();
+        plan.range_blocks = self.range_blocks.max(1);
+        let before = plan.forks.len();
+        let added = crate::catalog::plan_locked_again(spec, &mut plan).await;
+        for &i in &self.locked {
+            let f = &plan.forks[i as usize];
+            self.done.added_blocks += f.blocks;
+            if let Some(skip) = &f.planned_skip {
+                self.done.skipped_blocks += f.blocks;
+                self.skipped.entry(i).or_insert_with(|| format!("{:?}: {}", skip.reason, skip.detail));
+            }
+        }
+        self.done.added_blocks += plan.forks[before..].iter().map(|f| f.blocks).sum::<u64>();
+        self.forks = plan.forks;
+        self.pending.extend(added);
+        self.locked.clear();
+    }
+
     fn absorb(&mut self, outcomes: &[RangeOutcome]) {
         for o in outcomes {
             match &o.result {
@@ -215,7 +261,7 @@ impl WorkItem {
             range_blocks: 0,
             databases: vec![DatabaseEntry {
                 name: self.database.clone(),
-                outcome: "planned".into(),
+                outcome: DatabaseOutcome::Planned,
                 reason: None,
                 prewarm_schema: None,
                 counts_against_coverage: true,
@@ -227,7 +273,7 @@ impl WorkItem {
     }
 
     pub fn done(&self) -> bool {
-        self.pending.is_empty()
+        self.pending.is_empty() && self.locked.is_empty()
     }
 }
 
@@ -528,6 +574,47 @@ pub fn endpoint_spec(
     Ok(ConnectionSpec::parse(None, env)?.with_tls(tls, ca_file))
 }
 
+fn locked_while_planning(f: &ForkEntry) -> bool {
+    !f.excluded
+        && f.fork == crate::plan::Fork::Main
+        && f.planned_skip.as_ref().is_some_and(|s| s.reason == crate::plan::SkipReason::LockTimeout)
+}
+
+/// Work items for the relations held ACCESS EXCLUSIVE throughout planning, at most
+/// [`LOCKED_PER_ITEM`] each, one database per item; numbered from `first_id`.
+fn locked_items(plan: &Plan, first_id: u32) -> Vec<WorkItem> {
+    let mut items: Vec<WorkItem> = Vec::new();
+    for f in plan.forks.iter().filter(|f| locked_while_planning(f)) {
+        let open = items.last_mut().filter(|i| i.database == f.database && i.forks.len() < LOCKED_PER_ITEM);
+        let item = match open {
+            Some(i) => i,
+            None => {
+                items.push(WorkItem {
+                    id: first_id + items.len() as u32,
+                    database: f.database.clone(),
+                    mode: Mode::auto(&plan.server),
+                    block_size: plan.server.block_size,
+                    forks: Vec::new(),
+                    pending: Vec::new(),
+                    done: ItemTotals::default(),
+                    skipped: BTreeMap::new(),
+                    calls: 0,
+                    locked: Vec::new(),
+                    range_blocks: plan.range_blocks,
+                });
+                items.last_mut().expect("just pushed")
+            }
+        };
+        item.locked.push(item.forks.len() as u32);
+        item.forks.push(f.clone());
+    }
+    items
+}
+
+/// Locked relations per item: each entry is well under 1 KiB, so an item stays far below
+/// [`ITEM_LIMIT_BYTES`] even once its relations have been sized and cut into ranges.
+const LOCKED_PER_ITEM: usize = 16;
+
 /// What the Plan state reports (the plan itself is cut into items).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct PlanSummary {
@@ -541,6 +628,10 @@ pub struct PlanSummary {
     pub planned_skips: Vec<String>,
     pub planned_skip_count: usize,
     pub planned_skip_bytes: u64,
+    /// Relations held ACCESS EXCLUSIVE throughout planning: left out of the totals above, tried once
+    /// more by the last items (which add what they find to the instance's total).
+    #[serde(default)]
+    pub locked_while_planning: usize,
     pub items: usize,
 }
 
@@ -548,8 +639,10 @@ pub struct PlanSummary {
 pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanSummary, Vec<WorkItem>)> {
     let plan = crate::catalog::make_plan(spec, &run.plan_options(3)?).await?;
     let mut items = work_items(&plan, run.item_blocks, run.item_ranges)?;
+    items.extend(locked_items(&plan, items.len() as u32));
     let bs = plan.server.block_size;
-    let live: Vec<&ForkEntry> = plan.forks.iter().filter(|f| !f.excluded).collect();
+    // Relations locked while planning are accounted for by their items (sized when they are tried again).
+    let live: Vec<&ForkEntry> = plan.forks.iter().filter(|f| !f.excluded && !locked_while_planning(f)).collect();
     let skipped: Vec<&&ForkEntry> = live.iter().filter(|f| f.planned_skip.is_some()).collect();
     let mode = match run.mode.as_str() {
         "auto" => Mode::auto(&plan.server),
@@ -568,7 +661,7 @@ pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanS
             .iter()
             .map(|d| crate::report::DatabaseReport {
                 name: d.name.clone(),
-                outcome: d.outcome.clone(),
+                outcome: d.outcome,
                 reason: d.reason.clone(),
             })
             .collect(),
@@ -585,6 +678,7 @@ pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanS
             .collect(),
         planned_skip_count: skipped.len(),
         planned_skip_bytes: skipped.iter().map(|f| f.blocks * bs).sum(),
+        locked_while_planning: plan.forks.iter().filter(|f| locked_while_planning(f)).count(),
         items: items.len(),
     };
     Ok((summary, items))
@@ -599,6 +693,9 @@ pub struct ItemSummary {
     pub vanished_bytes: u64,
     pub skipped_bytes: u64,
     pub pending_bytes: u64,
+    /// Bytes this item adds to the instance's total (relations locked while planning).
+    #[serde(default)]
+    pub added_bytes: u64,
     pub calls: u32,
     /// The first ITEM_LISTED_SKIPS forks skipped, with why (each cut to 200 characters).
     pub skipped: Vec<String>,
@@ -617,6 +714,7 @@ impl WorkItem {
             vanished_bytes: self.done.vanished_blocks * bs,
             skipped_bytes: self.done.skipped_blocks * bs,
             pending_bytes: self.pending.iter().map(BlockRange::blocks).sum::<u64>() * bs,
+            added_bytes: self.done.added_blocks * bs,
             calls: self.calls,
             skipped: self
                 .skipped
@@ -740,7 +838,7 @@ mod tests {
             databases: (0..databases)
                 .map(|d| DatabaseEntry {
                     name: format!("db{d}"),
-                    outcome: "planned".into(),
+                    outcome: DatabaseOutcome::Planned,
                     reason: None,
                     prewarm_schema: Some("public".into()),
                     counts_against_coverage: true,

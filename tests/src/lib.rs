@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use pghydrate::report::ForkOutcome;
 use pghydrate::ConnectionSpec;
 use tokio_postgres::{Client, NoTls};
 
@@ -672,7 +673,7 @@ impl Drop for BlackholeProxy {
 pub async fn assert_all_blocks_buffered(cluster: &Cluster, r: &pghydrate::report::Report) -> usize {
     let mut by_db: std::collections::BTreeMap<String, Vec<&pghydrate::report::RelationReport>> =
         std::collections::BTreeMap::new();
-    for x in r.relations.iter().filter(|x| x.outcome == "warmed" && x.blocks > 0) {
+    for x in r.relations.iter().filter(|x| x.outcome == ForkOutcome::Warmed && x.blocks > 0) {
         by_db.entry(x.database.clone()).or_default().push(x);
     }
     let mut checked = 0;

@@ -11,7 +11,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use pghydrate::report::Report;
+use pghydrate::maintain::MaintenanceOutcome;
+use pghydrate::report::{ForkOutcome, Report, RunStatus};
 use pghydrate::ConnectionSpec;
 use pghydrate_tests::{
     cli, cli_env, hostile_plant, hostile_runs, hostile_setup, ident, pinned_client, Cluster, Planted,
@@ -32,9 +33,9 @@ type Outcomes = (BTreeMap<(String, u32), BTreeSet<String>>, BTreeSet<(String, St
 fn outcomes(r: &Report) -> Outcomes {
     let mut rels: BTreeMap<(String, u32), BTreeSet<String>> = BTreeMap::new();
     for x in &r.relations {
-        rels.entry((x.database.clone(), x.oid)).or_default().insert(format!("{} {:?}", x.outcome, x.reason_code));
+        rels.entry((x.database.clone(), x.oid)).or_default().insert(format!("{:?} {:?}", x.outcome, x.reason_code));
     }
-    (rels, r.maintenance.iter().map(|m| (m.database.clone(), m.table.clone(), m.outcome.clone())).collect())
+    (rels, r.maintenance.iter().map(|m| (m.database.clone(), m.table.clone(), format!("{:?}", m.outcome))).collect())
 }
 
 async fn rolsuper(cluster: &Cluster, role: &str) -> bool {
@@ -209,10 +210,10 @@ async fn a_hostile_catalog_runs_nothing(major: u32) {
     );
     assert_eq!(code, 0, "{err}");
     let r = read_report(&report);
-    assert_eq!((r.coverage, r.status.as_str()), (1.0, "complete"));
-    assert!(r.relations.iter().any(|x| x.database == "fresh" && x.outcome == "warmed"), "fresh was read");
+    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete));
+    assert!(r.relations.iter().any(|x| x.database == "fresh" && x.outcome == ForkOutcome::Warmed), "fresh was read");
     let m = r.maintenance.iter().find(|m| m.table == "public.mallory_t").expect("mallory's table maintained");
-    assert_eq!((m.action.as_str(), m.outcome.as_str()), ("VACUUM ANALYZE", "done"));
+    assert_eq!((m.action.as_str(), m.outcome), ("VACUUM ANALYZE", MaintenanceOutcome::Done));
 
     // 3. A run stopped by its time limit, resumed.
     let cont = dir.join("cont.json");
@@ -311,7 +312,7 @@ async fn a_hostile_catalog_runs_nothing(major: u32) {
     );
     assert_eq!(code, 4, "{err}");
     let r = read_report(&report);
-    let refused: Vec<_> = r.relations.iter().filter(|x| x.outcome != "warmed").collect();
+    let refused: Vec<_> = r.relations.iter().filter(|x| x.outcome != ForkOutcome::Warmed).collect();
     assert!(!refused.is_empty());
     for x in refused {
         assert!(x.reason.as_deref().unwrap_or("").contains("is not unique"), "{x:?}");

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pghydrate::catalog::{make_plan, PlanOptions};
-use pghydrate::maintain::Maintenance;
+use pghydrate::maintain::{Maintenance, MaintenanceOutcome};
 use pghydrate::pattern::RelationPattern;
-use pghydrate::plan::{BlockRange, SkipReason};
-use pghydrate::report::{self, Report};
+use pghydrate::plan::{BlockRange, DatabaseOutcome, SkipReason};
+use pghydrate::report::{self, ForkOutcome, Report, RunStatus};
 use pghydrate::run::{RunOptions, RunState};
 use pghydrate::warm::{Counters, Mode, RangeResult, WarmOptions};
 use pghydrate_tests::{
@@ -35,7 +35,7 @@ fn run_opts(deadline: Option<Instant>) -> RunOptions {
     }
 }
 
-fn report_keys(r: &Report, outcome: &str) -> BTreeSet<ForkKey> {
+fn report_keys(r: &Report, outcome: ForkOutcome) -> BTreeSet<ForkKey> {
     r.relations.iter().filter(|x| x.outcome == outcome).map(|x| (x.database.clone(), x.oid, x.fork.clone())).collect()
 }
 
@@ -99,12 +99,12 @@ async fn every_block_is_read(major: u32) {
     );
     assert_eq!(code, 0, "exit code; stdout:\n{stdout}\nstderr:\n{stderr}");
     let r: Report = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
-    assert_eq!(r.status, "complete");
+    assert_eq!(r.status, RunStatus::Complete);
     assert_eq!(r.coverage, 1.0);
     assert_eq!(r.warmed_bytes, r.total_bytes);
     assert_report_lists_every_fork_once(&r, &expected);
     for x in &r.relations {
-        assert_eq!(x.outcome, "warmed", "{x:?}");
+        assert_eq!(x.outcome, ForkOutcome::Warmed, "{x:?}");
         assert_eq!(Some(&x.blocks), expected.get(&(x.database.clone(), x.oid, x.fork.clone())), "size of {x:?}");
     }
     // Every kind of relation is there, in every database with the sample.
@@ -136,7 +136,7 @@ async fn every_block_is_read(major: u32) {
         assert!(r.relations.iter().any(|x| x.database == db && x.fork == "vm"), "visibility map fork");
     }
     let closed = r.databases.iter().find(|d| d.name == "closed2").unwrap();
-    assert_eq!(closed.outcome, "skipped");
+    assert_eq!(closed.outcome, DatabaseOutcome::Skipped);
     assert!(closed.reason.as_deref().unwrap().contains("datallowconn"));
     let checked = assert_all_blocks_buffered(&cluster, &r).await;
     assert!(checked > 300, "only {checked} forks checked");
@@ -205,7 +205,7 @@ async fn permissions_are_reported_exactly(major: u32) {
     let skipped: BTreeSet<ForkKey> = r
         .relations
         .iter()
-        .filter(|x| x.outcome == "skipped")
+        .filter(|x| x.outcome == ForkOutcome::Skipped)
         .inspect(|x| {
             assert_eq!(x.reason_code, Some(SkipReason::Permission), "{x:?}");
             assert!(x.fix.as_deref().is_some_and(|f| f.starts_with("GRANT ")), "{x:?}");
@@ -215,13 +215,13 @@ async fn permissions_are_reported_exactly(major: u32) {
     assert_eq!(skipped, truth, "skipped forks differ from the forks the role cannot read");
     assert!(!truth.is_empty());
     assert_eq!(r.exit_code, 4);
-    assert_eq!(r.status, "incomplete");
+    assert_eq!(r.status, RunStatus::Incomplete);
     assert!(r.coverage < 1.0);
     // customers' heap was granted: read, and so is its index (the servers tested check an index's table).
     let pkey = r.relations.iter().find(|x| x.database == "app" && x.name == "customers_pkey").unwrap();
     let heap = r.relations.iter().find(|x| x.database == "app" && x.name == "customers" && x.fork == "main").unwrap();
-    assert_eq!(heap.outcome, "warmed");
-    assert_eq!(pkey.outcome, "warmed", "{pkey:?}");
+    assert_eq!(heap.outcome, ForkOutcome::Warmed);
+    assert_eq!(pkey.outcome, ForkOutcome::Warmed, "{pkey:?}");
     let other = r.relations.iter().find(|x| x.database == "app" && x.name == "documents" && x.fork == "main").unwrap();
     assert_eq!(other.reason_code, Some(SkipReason::Permission), "{other:?}");
 
@@ -232,18 +232,18 @@ async fn permissions_are_reported_exactly(major: u32) {
         .iter()
         .filter(|x| x.database == "app" && x.schema != "pg_catalog" && x.schema != "information_schema")
     {
-        if x.schema == "pg_toast" && r.relations.iter().all(|y| y.oid != x.oid || y.outcome != "skipped") {
+        if x.schema == "pg_toast" && r.relations.iter().all(|y| y.oid != x.oid || y.outcome != ForkOutcome::Skipped) {
             continue;
         }
         if ["public", "Sales \"EU\" ü"].contains(&x.schema.as_str()) {
-            assert_eq!(x.outcome, "warmed", "{x:?}");
+            assert_eq!(x.outcome, ForkOutcome::Warmed, "{x:?}");
         }
     }
 
     // The proposed fix for what remains works.
     admin.batch_execute("GRANT pg_read_all_data TO reader").await.unwrap();
     let r = run_as("reader", "reader-pw").await;
-    assert_eq!(r.coverage, 1.0, "skipped: {:?}", report_keys(&r, "skipped"));
+    assert_eq!(r.coverage, 1.0, "skipped: {:?}", report_keys(&r, ForkOutcome::Skipped));
     assert_eq!(r.exit_code, 0);
 }
 
@@ -279,7 +279,7 @@ async fn dropped_and_truncated_during_the_run(major: u32) {
     let find = |name: &str, fork: &str| r.relations.iter().find(|x| x.name == name && x.fork == fork).unwrap().clone();
 
     let docs = find("documents", "main");
-    assert_eq!((docs.outcome.as_str(), docs.reason_code), ("skipped", Some(SkipReason::Dropped)));
+    assert_eq!((docs.outcome, docs.reason_code), (ForkOutcome::Skipped, Some(SkipReason::Dropped)));
     assert_eq!(find("documents_pkey", "main").reason_code, Some(SkipReason::Dropped));
     let toast = r
         .relations
@@ -290,19 +290,19 @@ async fn dropped_and_truncated_during_the_run(major: u32) {
     }
     let cache = find("session_cache", "main");
     assert_eq!(
-        (cache.outcome.as_str(), cache.reason_code, cache.warmed_blocks),
-        ("skipped", Some(SkipReason::Truncated), 0)
+        (cache.outcome, cache.reason_code, cache.warmed_blocks),
+        (ForkOutcome::Skipped, Some(SkipReason::Truncated), 0)
     );
     let ev = find("events_2026", "main");
-    assert_eq!(ev.outcome, "warmed", "{ev:?}");
+    assert_eq!(ev.outcome, ForkOutcome::Warmed, "{ev:?}");
     assert_eq!(ev.reason_code, Some(SkipReason::Truncated));
     assert_eq!(ev.warmed_blocks, events_after as u64, "every block that still exists is read, once");
     // Nothing else is affected; what vanished does not count against coverage.
-    assert_eq!(r.coverage, 1.0, "{:?}", report_keys(&r, "skipped"));
-    assert_eq!(r.status, "complete");
+    assert_eq!(r.coverage, 1.0, "{:?}", report_keys(&r, ForkOutcome::Skipped));
+    assert_eq!(r.status, RunStatus::Complete);
     assert!(r.vanished_bytes > 0);
     for x in &r.relations {
-        if x.outcome == "skipped" {
+        if x.outcome == ForkOutcome::Skipped {
             assert!(matches!(x.reason_code, Some(SkipReason::Dropped | SkipReason::Truncated)), "{x:?}");
         }
     }
@@ -363,10 +363,14 @@ async fn continuation_covers_exactly_the_rest(major: u32) {
     assert_eq!(read_now, want, "the resumed call read exactly the pending ranges");
     let r = report::build(&resumed);
     assert_eq!((r.coverage, r.exit_code, r.pending_bytes), (1.0, 0, 0));
-    for x in r.relations.iter().filter(|x| x.outcome != "excluded") {
+    for x in r.relations.iter().filter(|x| x.outcome != ForkOutcome::Excluded) {
         assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
     }
-    assert!(!r.maintenance.is_empty() && r.maintenance.iter().all(|m| m.outcome == "done"), "{:?}", r.maintenance);
+    assert!(
+        !r.maintenance.is_empty() && r.maintenance.iter().all(|m| m.outcome == MaintenanceOutcome::Done),
+        "{:?}",
+        r.maintenance
+    );
     assert_all_blocks_buffered(&cluster, &r).await;
 }
 
@@ -393,7 +397,7 @@ async fn locked_while_planning_is_reported_not_waited_for(major: u32) {
     let r = report::build(&st);
     // Only documents is skipped: its heap (locked while planning) and its indexes (pg_prewarm locks an
     // index's table too), each with reason lock_timeout.
-    let skipped: Vec<_> = r.relations.iter().filter(|x| x.outcome == "skipped").collect();
+    let skipped: Vec<_> = r.relations.iter().filter(|x| x.outcome == ForkOutcome::Skipped).collect();
     assert!(skipped.iter().any(|x| x.name == "documents"), "{skipped:?}");
     for x in &skipped {
         assert_eq!(x.reason_code, Some(SkipReason::LockTimeout), "{x:?}");
@@ -401,7 +405,11 @@ async fn locked_while_planning_is_reported_not_waited_for(major: u32) {
     }
     assert_eq!(r.exit_code, 4);
     let m = r.maintenance.iter().find(|m| m.table == "public.documents").unwrap();
-    assert_eq!(m.outcome, "skipped", "ANALYZE of the locked table gives up after lock_timeout: {m:?}");
+    assert_eq!(
+        m.outcome,
+        MaintenanceOutcome::Skipped,
+        "ANALYZE of the locked table gives up after lock_timeout: {m:?}"
+    );
     locker.batch_execute("COMMIT").await.unwrap();
 }
 
@@ -427,7 +435,7 @@ async fn cli_resume_finishes_a_stopped_run() {
         cli(&["resume", cont.to_str().unwrap(), &url, "--report", report.to_str().unwrap()], &dir);
     assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
     let r: Report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    assert_eq!((r.coverage, r.status.as_str()), (1.0, "complete"));
+    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete));
     assert!(stdout.contains("pghydrate complete"), "{stdout}");
     assert!(!cont.exists());
 }
@@ -546,8 +554,8 @@ async fn lost_sessions_and_restarts_are_survived(major: u32) {
     let st = tokio::time::timeout(Duration::from_secs(120), run).await.expect("run hung").unwrap();
     assert_outcomes_partition_plan(&st);
     let r = report::build(&st);
-    assert_eq!((r.coverage, r.status.as_str()), (1.0, "complete"), "{:?}", report_keys(&r, "skipped"));
-    for x in r.relations.iter().filter(|x| x.outcome != "excluded") {
+    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete), "{:?}", report_keys(&r, ForkOutcome::Skipped));
+    for x in r.relations.iter().filter(|x| x.outcome != ForkOutcome::Excluded) {
         assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
     }
 }
@@ -569,7 +577,7 @@ async fn patterns_choose_what_is_read_and_when() {
     let plan: pghydrate::plan::Plan = serde_json::from_str(&stdout).unwrap();
     assert_eq!(plan.fork(&plan.ranges[0]).table, "public.places");
     assert!(plan.forks.iter().all(|f| f.database == "app"), "only the included database is planned");
-    assert_eq!(plan.databases.iter().find(|d| d.name == "other").unwrap().outcome, "excluded");
+    assert_eq!(plan.databases.iter().find(|d| d.name == "other").unwrap().outcome, DatabaseOutcome::Excluded);
 
     let report = dir.join("r.json");
     let (code, stdout, stderr) = cli(
@@ -587,7 +595,7 @@ async fn patterns_choose_what_is_read_and_when() {
     );
     assert_eq!(code, 0, "{stdout}{stderr}");
     let r: Report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    let excluded: Vec<_> = r.relations.iter().filter(|x| x.outcome == "excluded").collect();
+    let excluded: Vec<_> = r.relations.iter().filter(|x| x.outcome == ForkOutcome::Excluded).collect();
     let kinds: BTreeSet<String> = excluded.iter().map(|x| format!("{:?}", x.kind)).collect();
     assert_eq!(
         kinds,

@@ -9,9 +9,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pghydrate::catalog::{make_plan, PlanOptions};
-use pghydrate::maintain::Maintenance;
+use pghydrate::maintain::{Maintenance, MaintenanceOutcome};
 use pghydrate::pattern::RelationPattern;
-use pghydrate::report;
+use pghydrate::plan::DatabaseOutcome;
+use pghydrate::report::{self, ForkOutcome, RunStatus};
 use pghydrate::run::{RunOptions, RunState};
 use pghydrate::warm::{Counters, Mode, WarmOptions};
 use pghydrate::ConnectionSpec;
@@ -267,7 +268,7 @@ async fn a_locked_table_is_skipped_then_read_and_nobody_waits_behind_the_run() {
     );
     assert_outcomes_partition_plan(&st);
     let r = report::build(&st);
-    assert_eq!((r.coverage, r.status.as_str()), (1.0, "complete"));
+    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete));
     let customers = r.relations.iter().find(|x| x.name == "customers" && x.fork == "main").unwrap();
     assert_eq!(customers.warmed_blocks, customers.blocks, "{customers:?}");
 }
@@ -300,8 +301,8 @@ async fn network_cuts_are_survived(major: u32) {
     );
     assert_outcomes_partition_plan(&st);
     let r = report::build(&st);
-    assert_eq!((r.coverage, r.status.as_str()), (1.0, "complete"), "{} cuts", proxy.cuts());
-    for x in r.relations.iter().filter(|x| x.outcome != "excluded") {
+    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete), "{} cuts", proxy.cuts());
+    for x in r.relations.iter().filter(|x| x.outcome != ForkOutcome::Excluded) {
         assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
     }
     // Every block really is in shared_buffers: the cuts lost nothing.
@@ -325,8 +326,8 @@ async fn relations_rewritten_after_planning(major: u32) {
     run(&spec, &mut st, &run_opts(3, Mode::Read)).await;
     assert_outcomes_partition_plan(&st);
     let r = report::build(&st);
-    assert_eq!((r.coverage, r.status.as_str()), (1.0, "complete"));
-    for x in r.relations.iter().filter(|x| x.database == "app" && x.outcome != "excluded") {
+    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete));
+    for x in r.relations.iter().filter(|x| x.database == "app" && x.outcome != ForkOutcome::Excluded) {
         let now: i64 = app
             .query_one(
                 "SELECT coalesce((SELECT pg_relation_size(oid, $2) / 8192 FROM pg_class WHERE oid = $1), 0)",
@@ -452,7 +453,10 @@ async fn a_standby_is_warmed_and_nothing_is_attempted_on_it(major: u32) {
     let r: report::Report = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     let app = r.databases.iter().find(|d| d.name == "app").unwrap();
     let reason = app.reason.as_deref().unwrap_or("");
-    assert!(app.outcome == "skipped" && reason.contains("standby") && reason.contains("primary"), "{app:?}");
+    assert!(
+        app.outcome == DatabaseOutcome::Skipped && reason.contains("standby") && reason.contains("primary"),
+        "{app:?}"
+    );
     assert!(!err.contains("cannot execute"), "nothing was attempted that a standby refuses: {err}");
 
     for db in ["postgres", "app"] {
@@ -481,7 +485,10 @@ async fn a_standby_is_warmed_and_nothing_is_attempted_on_it(major: u32) {
     assert_eq!(r.coverage, 1.0);
     assert!(!r.maintenance.is_empty());
     for m in &r.maintenance {
-        assert!(m.outcome == "skipped" && m.reason.as_deref().unwrap_or("").contains("standby"), "{m:?}");
+        assert!(
+            m.outcome == MaintenanceOutcome::Skipped && m.reason.as_deref().unwrap_or("").contains("standby"),
+            "{m:?}"
+        );
     }
     let checked = assert_all_blocks_buffered(&standby, &r).await;
     eprintln!("measured: PostgreSQL {major} standby: {checked} forks, every block buffered; {} tables not maintained, with why", r.maintenance.len());

@@ -89,8 +89,12 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let previous = r.state.unwrap_or_default();
     let mut summary = previous.summary;
     let exclude: Vec<RelationPattern> = r.run.exclude.iter().filter_map(|p| RelationPattern::parse(p).ok()).collect();
-    let databases: Vec<String> =
-        r.databases.iter().filter(|d| d.outcome == "planned").map(|d| d.name.clone()).collect();
+    let databases: Vec<String> = r
+        .databases
+        .iter()
+        .filter(|d| d.outcome == pghydrate::plan::DatabaseOutcome::Planned)
+        .map(|d| d.name.clone())
+        .collect();
     let listed =
         targets(&spec, &databases, action, |db, schema, table| exclude.iter().any(|p| p.matches(db, schema, table)))
             .await;
@@ -114,7 +118,7 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let (results, mut left) = maintain(&spec, todo, &opts).await;
     let progressed = !results.is_empty();
     for m in results {
-        if m.outcome == "done" {
+        if m.outcome == pghydrate::maintain::MaintenanceOutcome::Done {
             summary.done += 1;
         } else {
             summary.skip(format!("{}: {}: {}", m.database, m.table, m.reason.unwrap_or_default()));

@@ -154,8 +154,10 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
     let warmed: u64 = items.iter().map(|i| i.warmed_bytes).sum();
     let vanished: u64 = items.iter().map(|i| i.vanished_bytes).sum();
     let skipped_run: u64 = items.iter().map(|i| i.skipped_bytes + i.pending_bytes).sum();
+    // Relations locked while planning are in no plan total: the items that tried them again add them.
+    let added: u64 = items.iter().map(|i| i.added_bytes).sum();
     let (total, planned_skip, mut skipped, mut skipped_count) = match &plan {
-        Some(p) => (p.total_bytes, p.planned_skip_bytes, p.planned_skips.clone(), p.planned_skip_count),
+        Some(p) => (p.total_bytes + added, p.planned_skip_bytes, p.planned_skips.clone(), p.planned_skip_count),
         None => (0, 0, vec![], 0),
     };
     for i in &items {
