@@ -710,3 +710,86 @@ async fn a_migration_locking_many_tables_neither_stalls_the_workflows_plan_nor_l
         .get(0);
     assert_eq!(added, heap_bytes as u64, "the items added the locked heaps (main, fsm, vm) to the total");
 }
+
+/// What an attempt at the first range of `customers` meets, set up by the test's hook before the read.
+#[derive(Clone, Copy)]
+enum Trouble {
+    /// Another session takes ACCESS EXCLUSIVE; once the range's session waits for it, it is terminated.
+    LockThenSessionKilled,
+    /// Another session takes ACCESS EXCLUSIVE and holds it for `hold`: the read waits out lock_timeout.
+    LockHeld { hold: Duration },
+}
+
+/// Sets up `trouble` from a thread of its own (the hook is synchronous) and returns once the lock is held.
+fn stir(port: u16, trouble: Trouble) {
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let mut cfg = tokio_postgres::Config::new();
+            cfg.host("127.0.0.1").port(port).user("postgres").password(SUPERUSER_PASSWORD).dbname("app");
+            let (c, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
+            tokio::spawn(conn);
+            c.batch_execute("BEGIN; LOCK TABLE customers IN ACCESS EXCLUSIVE MODE").await.unwrap();
+            held_tx.send(()).unwrap();
+            match trouble {
+                Trouble::LockThenSessionKilled => {
+                    // Wait for the range's session to queue behind the lock, then end it.
+                    for _ in 0..200 {
+                        let killed: i64 = c
+                            .query_one(
+                                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+                                  WHERE application_name = 'pghydrate' AND wait_event_type = 'Lock'",
+                                &[],
+                            )
+                            .await
+                            .unwrap()
+                            .get(0);
+                        if killed > 0 {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+                Trouble::LockHeld { hold } => tokio::time::sleep(hold).await,
+            }
+            c.batch_execute("COMMIT").await.unwrap();
+        });
+    });
+    held_rx.recv().unwrap();
+}
+
+/// Each cause has its own budget. The first range of `customers` loses its session four times (each
+/// time while it waits for a lock, so the server ends it, SQLSTATE 57P01), then waits out a lock once,
+/// with `lock_attempts` 2: it is read on the sixth attempt. Before, one counter served every cause: the
+/// lock wait after four lost sessions was its fifth attempt, and it was skipped as `lock_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_sessions_do_not_use_up_the_lock_budget() {
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let spec = cluster.superuser_spec().with_timeouts(Duration::from_secs(1), Duration::from_secs(60));
+    let plan = make_plan(&spec, &plan_opts(&["app"])).await.unwrap();
+    let mut st = RunState::new(plan, Mode::Read, 1, Maintenance::None);
+    let attempts = Arc::new(AtomicU32::new(0));
+    let seen = attempts.clone();
+    let port = cluster.port;
+    let mut opts = run_opts(1);
+    opts.warm.lock_timeout = Duration::from_secs(1);
+    opts.warm.lock_attempts = 2;
+    opts.warm.before_range = Some(RangeHook(Arc::new(move |fork, range| {
+        if fork.name == "customers" && fork.fork == pghydrate::plan::Fork::Main && range.first == 0 {
+            match seen.fetch_add(1, Ordering::SeqCst) + 1 {
+                1..=4 => stir(port, Trouble::LockThenSessionKilled),
+                5 => stir(port, Trouble::LockHeld { hold: Duration::from_millis(1500) }),
+                _ => {}
+            }
+        }
+    })));
+    advance_within(&spec, &mut st, &opts, Duration::from_secs(120)).await;
+    assert_outcomes_partition_plan(&st);
+    assert_eq!(attempts.load(Ordering::SeqCst), 6, "four lost sessions, one lock wait, then read");
+    let r = report::build(&st);
+    let customers = r.relations.iter().find(|x| x.name == "customers" && x.fork == "main").unwrap();
+    assert_eq!((customers.outcome, customers.warmed_blocks), (ForkOutcome::Warmed, customers.blocks), "{customers:?}");
+    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete));
+}
