@@ -18,8 +18,9 @@ def fixture(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def twin():
-    # Calls of at most 20 s (margin 5 s): every warm item that needs longer continues in a new call.
-    with Twin.start(lambda_timeout=20, margin=5, mode="buffer") as t:
+    # Calls of at most 20 s (margin 5 s): every warm item that needs longer continues in a new call. A
+    # Warm call gives up on a lost database after 3 s (ConnectionFailed, retried by the state machine).
+    with Twin.start(lambda_timeout=20, margin=5, mode="buffer", env={"PGHYDRATE_RECONNECT_SECONDS": "3"}) as t:
         t.pg.load_sample("app", 1)
         t.pg.psql("CREATE EXTENSION pg_buffercache", db="app")
         t.pg.psql("CREATE EXTENSION pg_buffercache")
@@ -353,6 +354,40 @@ def test_an_inactive_or_throttled_function_is_retried_not_fatal(twin):
     text = history_text(history)
     assert "Lambda.ResourceNotReadyException" in text and "Lambda.TooManyRequestsException" in text
     assert "Sandbox.Timedout" in text, "a call killed at its timeout is retried"
+
+
+def test_a_database_down_longer_than_the_reconnect_window_fails_the_call_and_the_retry_finishes(twin):
+    """PostgreSQL stops for 12 s in the middle of the warm phase, four times the Warm function's reconnect
+    window (3 s here, 120 s by default). The call that lost it keeps its ranges pending and fails with
+    ConnectionFailed; the state machine's Retry calls again with backoff, and once the server is back the
+    item is read to the end: every byte once, coverage 1.0."""
+    import time
+
+    t = twin
+    t.pg.psql("CREATE DATABASE outage")
+    t.pg.psql("CREATE TABLE filler AS SELECT g AS id, md5(g::text) AS payload FROM generate_series(1, 600000) g;"
+              "CREATE EXTENSION pg_buffercache", db="outage")
+    t.pg.restart()  # cold
+    t.pg.limit_cpu(1)
+    t.register_instance("outage-db", script=[{"status": "available"}] * 10)
+    arn = t.start_execution({"instance": "outage-db", "include_databases": ["outage"], "maintenance": "none"})
+    end = time.time() + 300
+    while not warm_calls(t.history(arn)):
+        assert time.time() < end, "the warm phase never started"
+        time.sleep(0.2)
+    time.sleep(1.5)  # a session is reading a range now
+    t.pg.unlimit_cpu()
+    t.pg.stop("immediate")
+    time.sleep(12)
+    t.pg.start()
+    d, history = t.wait(arn, timeout=600)
+    assert d["status"] == "SUCCEEDED", (d.get("error"), t.report_of(history))
+    inst = json.loads(d["output"])["instances"][0]
+    assert inst["coverage"] == 1.0 and inst["warmed_bytes"] == inst["total_bytes"] > 30 << 20, inst
+    failed = [e for e in history if e["type"].endswith("Failed") and "ConnectionFailed" in json.dumps(e, default=str)]
+    assert failed, "a Warm call should have failed with ConnectionFailed while the server was down"
+    assert "unreachable for the whole reconnect window" in history_text(history)
+    # (The restart emptied shared_buffers: what was read before it is not there to check; the totals are.)
 
 
 def test_a_hostile_catalog_runs_nothing_through_the_lambdas():

@@ -184,6 +184,13 @@ struct WarmArgs {
     /// After warming: analyze, vacuum-analyze or none.
     #[arg(long, value_enum, default_value = "analyze")]
     maintenance: MaintenanceArg,
+    #[command(flatten)]
+    limits: LimitArgs,
+}
+
+/// Time limits, for `run` and again for each `resume`.
+#[derive(Args)]
+struct LimitArgs {
     /// Stop after this long (e.g. 14m): no range starts when less than --margin is left, and the
     /// work left is written to the continuation file.
     #[arg(long, value_parser = parse_duration)]
@@ -212,14 +219,8 @@ struct ResumeArgs {
     /// After warming: analyze, vacuum-analyze or none (default: the run's).
     #[arg(long, value_enum)]
     maintenance: Option<MaintenanceArg>,
-    #[arg(long, value_parser = parse_duration)]
-    time_limit: Option<Duration>,
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
-    margin: Duration,
-    #[arg(long, default_value = "2m", value_parser = parse_duration)]
-    reconnect_for: Duration,
-    #[arg(long, default_value = "1h", value_parser = parse_duration)]
-    maintenance_timeout: Duration,
+    #[command(flatten)]
+    limits: LimitArgs,
 }
 
 #[derive(Args)]
@@ -230,7 +231,8 @@ struct TimeoutArgs {
     /// Wait at most this long for a lock; a locked relation is retried later.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     lock_timeout: Duration,
-    /// Attempts per range under lock contention before it is skipped.
+    /// Lock waits per range before it is skipped. Planning waits for locks at most this many times in
+    /// all (`plan`; `run` waits once, and tries what a lock kept from it again after warming).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     lock_attempts: u32,
 }
@@ -373,22 +375,28 @@ fn plan_options(p: &PlanArgs, t: &TimeoutArgs, dry_run: bool) -> PlanOptions {
     }
 }
 
-fn run_options(w: &WarmArgs, t: &TimeoutArgs, started: Instant) -> RunOptions {
+fn run_options(
+    sessions: u32,
+    maintenance: Maintenance,
+    l: &LimitArgs,
+    t: &TimeoutArgs,
+    started: Instant,
+) -> RunOptions {
     RunOptions {
         warm: WarmOptions {
-            sessions: w.sessions,
+            sessions,
             mode: Mode::Read, // replaced by the state's resolved mode
             statement_timeout: t.statement_timeout,
             lock_timeout: t.lock_timeout,
             lock_attempts: t.lock_attempts,
-            deadline: w.time_limit.map(|t| started + t),
-            margin: w.margin,
-            reconnect_for: w.reconnect_for,
+            deadline: l.time_limit.map(|t| started + t),
+            margin: l.margin,
+            reconnect_for: l.reconnect_for,
             stop: Some(Arc::new(std::sync::atomic::AtomicBool::new(false))),
             before_range: None,
         },
-        maintenance: maintenance_of(w.maintenance),
-        maintenance_timeout: w.maintenance_timeout,
+        maintenance,
+        maintenance_timeout: l.maintenance_timeout,
     }
 }
 
@@ -435,8 +443,8 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
         }
         Command::Run { conn, plan, warm, timeouts, out } => {
             let spec = spec_of(&conn, &timeouts)?;
-            check_time_limit(warm.time_limit, warm.margin)?;
-            let opts = run_options(&warm, &timeouts, started);
+            check_time_limit(warm.limits.time_limit, warm.limits.margin)?;
+            let opts = run_options(warm.sessions, maintenance_of(warm.maintenance), &warm.limits, &timeouts, started);
             // From here on, a signal stops the run with a continuation (after planning, if it comes
             // during planning: then the continuation holds the whole plan).
             opts.warm.stop.clone().map(watch_signals);
@@ -457,7 +465,7 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
                 source: e,
             })?;
             let mut state = RunState::from_json(&text)?;
-            check_time_limit(warm.time_limit, warm.margin)?;
+            check_time_limit(warm.limits.time_limit, warm.limits.margin)?;
             if let Some(n) = warm.sessions {
                 let (n, warning) = effective_sessions(n, &state.plan.server);
                 if let Some(w) = warning {
@@ -481,16 +489,7 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
                     state.maintenance = m;
                 }
             }
-            let as_run = WarmArgs {
-                sessions: state.sessions,
-                mode: ModeArg::Auto,
-                maintenance: MaintenanceArg::None,
-                time_limit: warm.time_limit,
-                margin: warm.margin,
-                reconnect_for: warm.reconnect_for,
-                maintenance_timeout: warm.maintenance_timeout,
-            };
-            let opts = RunOptions { maintenance: state.maintenance, ..run_options(&as_run, &timeouts, started) };
+            let opts = run_options(state.sessions, state.maintenance, &warm.limits, &timeouts, started);
             opts.warm.stop.clone().map(watch_signals);
             tracing::info!(
                 sessions = state.sessions,

@@ -790,18 +790,7 @@ mod tests {
 
     #[test]
     fn databases_are_left_out_before_connecting_only_for_a_stated_reason() {
-        let server = ServerInfo {
-            version_num: 170000,
-            version: "17.0".into(),
-            block_size: 8192,
-            login_role: "hydrator".into(),
-            is_superuser: false,
-            max_connections: 100,
-            reserved_connections: 3,
-            connections_in_use: 1,
-            io_method: None,
-            in_recovery: false,
-        };
+        let server = ServerInfo::example();
         let db = |name: &str| DbRow { name: name.into(), allow_conn: true, template: false, can_connect: true };
         let verdict = |d: &DbRow, opts: &PlanOptions| {
             database_left_out(d, opts, &server).map(|e| (e.outcome, e.counts_against_coverage, e.reason.unwrap()))

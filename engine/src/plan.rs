@@ -39,6 +39,24 @@ impl ServerInfo {
     pub fn major(&self) -> u32 {
         self.version_num / 10000
     }
+
+    /// A PostgreSQL 17 server with 8 KiB blocks, 100 connections (3 reserved, 1 in use) and a login
+    /// role `hydrator` that is not a superuser: for unit tests.
+    #[cfg(test)]
+    pub(crate) fn example() -> ServerInfo {
+        ServerInfo {
+            version_num: 170000,
+            version: "17.0".into(),
+            block_size: 8192,
+            login_role: "hydrator".into(),
+            is_superuser: false,
+            max_connections: 100,
+            reserved_connections: 3,
+            connections_in_use: 1,
+            io_method: None,
+            in_recovery: false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Hash)]

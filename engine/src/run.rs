@@ -242,16 +242,10 @@ mod tests {
 
     fn server(max: u32, reserved: u32, in_use: u32) -> ServerInfo {
         ServerInfo {
-            version_num: 170000,
-            version: String::new(),
-            block_size: 8192,
-            login_role: "r".into(),
-            is_superuser: false,
             max_connections: max,
             reserved_connections: reserved,
             connections_in_use: in_use,
-            io_method: None,
-            in_recovery: false,
+            ..ServerInfo::example()
         }
     }
 

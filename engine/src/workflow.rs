@@ -108,19 +108,7 @@ pub fn work_items(plan: &Plan, max_blocks: u64, max_ranges: usize) -> Result<Vec
         let idx = match open.get(db) {
             Some(&i) if fits(i, &items, &sizes) => i,
             _ => {
-                let item = WorkItem {
-                    id: items.len() as u32,
-                    database: db.clone(),
-                    mode: Mode::auto(&plan.server),
-                    block_size: plan.server.block_size,
-                    forks: Vec::new(),
-                    pending: Vec::new(),
-                    done: ItemTotals::default(),
-                    skipped: BTreeMap::new(),
-                    calls: 0,
-                    locked: Vec::new(),
-                    range_blocks: plan.range_blocks,
-                };
+                let item = WorkItem::empty(items.len() as u32, db, plan);
                 sizes.push(json_len(&item) + 64);
                 items.push(item);
                 open.insert(db.clone(), items.len() - 1);
@@ -161,6 +149,23 @@ fn blocks(item: &WorkItem) -> u64 {
 }
 
 impl WorkItem {
+    /// An item of `plan`'s database `database` with nothing in it yet.
+    fn empty(id: u32, database: &str, plan: &Plan) -> WorkItem {
+        WorkItem {
+            id,
+            database: database.into(),
+            mode: Mode::auto(&plan.server),
+            block_size: plan.server.block_size,
+            forks: Vec::new(),
+            pending: Vec::new(),
+            done: ItemTotals::default(),
+            skipped: BTreeMap::new(),
+            calls: 0,
+            locked: Vec::new(),
+            range_blocks: plan.range_blocks,
+        }
+    }
+
     /// Warms this item's pending ranges until done or until `deadline` (minus `opts.margin`); records
     /// the totals and keeps exactly the ranges not yet read.
     pub async fn advance(&mut self, spec: &ConnectionSpec, opts: &WarmOptions) -> Result<()> {
@@ -589,19 +594,7 @@ fn locked_items(plan: &Plan, first_id: u32) -> Vec<WorkItem> {
         let item = match open {
             Some(i) => i,
             None => {
-                items.push(WorkItem {
-                    id: first_id + items.len() as u32,
-                    database: f.database.clone(),
-                    mode: Mode::auto(&plan.server),
-                    block_size: plan.server.block_size,
-                    forks: Vec::new(),
-                    pending: Vec::new(),
-                    done: ItemTotals::default(),
-                    skipped: BTreeMap::new(),
-                    calls: 0,
-                    locked: Vec::new(),
-                    range_blocks: plan.range_blocks,
-                });
+                items.push(WorkItem::empty(first_id + items.len() as u32, &f.database, plan));
                 items.last_mut().expect("just pushed")
             }
         };
@@ -822,18 +815,7 @@ mod tests {
         Plan {
             format: 1,
             created_at: String::new(),
-            server: ServerInfo {
-                version_num: 170000,
-                version: String::new(),
-                block_size: bs,
-                login_role: "hydrator".into(),
-                is_superuser: false,
-                max_connections: 100,
-                reserved_connections: 3,
-                connections_in_use: 1,
-                io_method: None,
-                in_recovery: false,
-            },
+            server: ServerInfo { block_size: bs, ..ServerInfo::example() },
             range_blocks,
             databases: (0..databases)
                 .map(|d| DatabaseEntry {

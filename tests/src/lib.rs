@@ -508,22 +508,27 @@ pub fn assert_outcomes_partition_plan(st: &pghydrate::run::RunState) {
     }
 }
 
-/// A TCP proxy in front of a server that cuts the network: every connection through it is dropped
-/// (both sides, no goodbye) once its client has sent `cut_after` bytes. A client that reconnects gets
-/// a fresh allowance, so a long run is cut again and again. `cuts()` counts the connections it cut.
-pub struct CuttingProxy {
-    pub port: u16,
-    cuts: std::sync::Arc<std::sync::atomic::AtomicU32>,
+/// A TCP proxy on 127.0.0.1 in front of `upstream_port`: each accepted connection, with a new
+/// connection to the server and the proxy's counter, goes to `relay`, which decides what passes. The
+/// proxy stops when dropped.
+struct Proxy {
+    port: u16,
+    count: std::sync::Arc<std::sync::atomic::AtomicU32>,
     task: tokio::task::JoinHandle<()>,
 }
 
-impl CuttingProxy {
-    pub async fn start(upstream_port: u16, cut_after: usize) -> CuttingProxy {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+impl Proxy {
+    async fn start<F, Fut>(upstream_port: u16, relay: F) -> Proxy
+    where
+        F: Fn(tokio::net::TcpStream, tokio::net::TcpStream, std::sync::Arc<std::sync::atomic::AtomicU32>) -> Fut
+            + Send
+            + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let cuts = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-        let counter = cuts.clone();
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counter = count.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -532,44 +537,64 @@ impl CuttingProxy {
                 let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream_port)).await else {
                     continue;
                 };
-                let counter = counter.clone();
-                tokio::spawn(async move {
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    let down = tokio::spawn(async move {
-                        let _ = tokio::io::copy(&mut sr, &mut cw).await;
-                    });
-                    let mut sent = 0usize;
-                    let mut buf = vec![0u8; 16384];
-                    loop {
-                        let n = match cr.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => n,
-                        };
-                        if sent + n > cut_after {
-                            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            break; // dropping both halves closes both connections mid-conversation
-                        }
-                        sent += n;
-                        if sw.write_all(&buf[..n]).await.is_err() {
-                            break;
-                        }
-                    }
-                    down.abort();
-                });
+                tokio::spawn(relay(client, server, counter.clone()));
             }
         });
-        CuttingProxy { port, cuts, task }
+        Proxy { port, count, task }
     }
 
-    pub fn cuts(&self) -> u32 {
-        self.cuts.load(std::sync::atomic::Ordering::Relaxed)
+    fn count(&self) -> u32 {
+        self.count.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
-impl Drop for CuttingProxy {
+impl Drop for Proxy {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// A TCP proxy in front of a server that cuts the network: every connection through it is dropped
+/// (both sides, no goodbye) once its client has sent `cut_after` bytes. A client that reconnects gets
+/// a fresh allowance, so a long run is cut again and again. `cuts()` counts the connections it cut.
+pub struct CuttingProxy {
+    pub port: u16,
+    proxy: Proxy,
+}
+
+impl CuttingProxy {
+    pub async fn start(upstream_port: u16, cut_after: usize) -> CuttingProxy {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let proxy = Proxy::start(upstream_port, move |client, server, cuts| async move {
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            let down = tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut sr, &mut cw).await;
+            });
+            let mut sent = 0usize;
+            let mut buf = vec![0u8; 16384];
+            loop {
+                let n = match cr.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                if sent + n > cut_after {
+                    cuts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    break; // dropping both halves closes both connections mid-conversation
+                }
+                sent += n;
+                if sw.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+            down.abort();
+        })
+        .await;
+        CuttingProxy { port: proxy.port, proxy }
+    }
+
+    pub fn cuts(&self) -> u32 {
+        self.proxy.count()
     }
 }
 
@@ -580,91 +605,70 @@ impl Drop for CuttingProxy {
 /// statement_timeout error, so only a client-side bound ends the wait. `held()` counts them.
 pub struct BlackholeProxy {
     pub port: u16,
-    held: std::sync::Arc<std::sync::atomic::AtomicU32>,
-    task: tokio::task::JoinHandle<()>,
+    proxy: Proxy,
 }
 
 impl BlackholeProxy {
     pub async fn start(upstream_port: u16, hold_after: usize, holds: u32) -> BlackholeProxy {
         use std::sync::atomic::Ordering::SeqCst;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let held = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-        let counter = held.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((client, _)) = listener.accept().await else {
-                    return;
-                };
-                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream_port)).await else {
-                    continue;
-                };
-                let counter = counter.clone();
-                tokio::spawn(async move {
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    let gate = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-                    let closed = gate.clone();
-                    let down = tokio::spawn(async move {
-                        let mut buf = vec![0u8; 16384];
-                        loop {
-                            let n = match sr.read(&mut buf).await {
-                                Ok(0) | Err(_) => break,
-                                Ok(n) => n,
-                            };
-                            if closed.load(SeqCst) {
-                                // Held: keep the bytes, forward nothing, keep the socket.
-                                std::future::pending::<()>().await;
-                            }
-                            if cw.write_all(&buf[..n]).await.is_err() {
-                                break;
-                            }
-                        }
+        let proxy = Proxy::start(upstream_port, move |client, server, counter| async move {
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            let gate = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let closed = gate.clone();
+            let down = tokio::spawn(async move {
+                let mut buf = vec![0u8; 16384];
+                loop {
+                    let n = match sr.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    if closed.load(SeqCst) {
+                        // Held: keep the bytes, forward nothing, keep the socket.
                         std::future::pending::<()>().await;
-                    });
-                    let mut sent = 0usize;
-                    let mut buf = vec![0u8; 16384];
-                    loop {
-                        let n = match cr.read(&mut buf).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => n,
-                        };
-                        if sent + n > hold_after && !gate.load(SeqCst) {
-                            let nth = counter.fetch_add(1, SeqCst);
-                            if nth < holds {
-                                gate.store(true, SeqCst);
-                                // Hold until the client gives up (closes its side).
-                                while let Ok(n) = cr.read(&mut buf).await {
-                                    if n == 0 {
-                                        break;
-                                    }
-                                }
+                    }
+                    if cw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                std::future::pending::<()>().await;
+            });
+            let mut sent = 0usize;
+            let mut buf = vec![0u8; 16384];
+            loop {
+                let n = match cr.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                if sent + n > hold_after && !gate.load(SeqCst) {
+                    let nth = counter.fetch_add(1, SeqCst);
+                    if nth < holds {
+                        gate.store(true, SeqCst);
+                        // Hold until the client gives up (closes its side).
+                        while let Ok(n) = cr.read(&mut buf).await {
+                            if n == 0 {
                                 break;
                             }
-                            counter.fetch_sub(1, SeqCst);
-                            sent = 0;
                         }
-                        sent += n;
-                        if sw.write_all(&buf[..n]).await.is_err() {
-                            break;
-                        }
+                        break;
                     }
-                    down.abort();
-                });
+                    counter.fetch_sub(1, SeqCst);
+                    sent = 0;
+                }
+                sent += n;
+                if sw.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
             }
-        });
-        BlackholeProxy { port, held, task }
+            down.abort();
+        })
+        .await;
+        BlackholeProxy { port: proxy.port, proxy }
     }
 
     pub fn held(&self) -> u32 {
-        self.held.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-impl Drop for BlackholeProxy {
-    fn drop(&mut self) {
-        self.task.abort();
+        self.proxy.count()
     }
 }
 
@@ -775,4 +779,68 @@ pub async fn hostile_runs(cluster: &Cluster, db: &str) -> (i64, String) {
     let c = pinned_client(cluster, db).await;
     let row = c.query_one(&hostile_script(&["runs-sql"]), &[]).await.unwrap();
     (row.get(0), row.get(1))
+}
+
+/// Runs each named `async fn(major: u32)` as a test on PostgreSQL 15, 16, 17 and 18 (a module per
+/// function, a test per version).
+#[macro_export]
+macro_rules! on_every_version {
+    ($($test:ident),* $(,)?) => {
+        $(
+            mod $test {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg15() { super::$test(15).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg16() { super::$test(16).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg17() { super::$test(17).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg18() { super::$test(18).await }
+            }
+        )*
+    };
+}
+
+/// Like [`on_every_version!`], on the oldest and newest versions only (15 and 18).
+#[macro_export]
+macro_rules! on_oldest_and_newest {
+    ($($test:ident),* $(,)?) => {
+        $(
+            mod $test {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg15() { super::$test(15).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn pg18() { super::$test(18).await }
+            }
+        )*
+    };
+}
+
+/// Plan options for tests: 64-block ranges, pg_prewarm created where missing, 3 lock waits, only
+/// the databases named.
+pub fn plan_opts(dbs: &[&str]) -> pghydrate::catalog::PlanOptions {
+    pghydrate::catalog::PlanOptions {
+        range_blocks: 64,
+        create_extension: true,
+        lock_attempts: 3,
+        include_databases: dbs.iter().map(|d| d.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+/// Run options for tests: `sessions` in `mode`, lock_timeout 2 s, a 1 s margin, 20 s of reconnecting,
+/// no maintenance.
+pub fn run_opts(sessions: u32, mode: pghydrate::warm::Mode) -> pghydrate::run::RunOptions {
+    pghydrate::run::RunOptions {
+        warm: pghydrate::warm::WarmOptions {
+            sessions,
+            mode,
+            lock_timeout: std::time::Duration::from_secs(2),
+            margin: std::time::Duration::from_secs(1),
+            reconnect_for: std::time::Duration::from_secs(20),
+            ..Default::default()
+        },
+        maintenance: pghydrate::maintain::Maintenance::None,
+        maintenance_timeout: std::time::Duration::from_secs(60),
+    }
 }

@@ -342,21 +342,4 @@ async fn a_hostile_catalog_runs_nothing(major: u32) {
     );
 }
 
-macro_rules! on_versions {
-    ($($test:ident),*) => {
-        $(
-            mod $test {
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg15() { super::$test(15).await }
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg16() { super::$test(16).await }
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg17() { super::$test(17).await }
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg18() { super::$test(18).await }
-            }
-        )*
-    };
-}
-
-on_versions!(a_hostile_catalog_runs_nothing);
+pghydrate_tests::on_every_version!(a_hostile_catalog_runs_nothing);

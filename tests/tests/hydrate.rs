@@ -683,24 +683,7 @@ async fn workflow_items_continue_until_done(major: u32) {
     assert_all_blocks_buffered(&cluster, &report::build(&st)).await;
 }
 
-macro_rules! per_version {
-    ($($test:ident),*) => {
-        $(
-            mod $test {
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg15() { super::$test(15).await }
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg16() { super::$test(16).await }
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg17() { super::$test(17).await }
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg18() { super::$test(18).await }
-            }
-        )*
-    };
-}
-
-per_version!(
+pghydrate_tests::on_every_version!(
     every_block_is_read,
     permissions_are_reported_exactly,
     dropped_and_truncated_during_the_run,

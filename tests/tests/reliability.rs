@@ -8,43 +8,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pghydrate::catalog::{make_plan, PlanOptions};
+use pghydrate::catalog::make_plan;
 use pghydrate::maintain::{Maintenance, MaintenanceOutcome};
 use pghydrate::pattern::RelationPattern;
 use pghydrate::plan::DatabaseOutcome;
 use pghydrate::report::{self, ForkOutcome, RunStatus};
 use pghydrate::run::{RunOptions, RunState};
-use pghydrate::warm::{Counters, Mode, WarmOptions};
+use pghydrate::warm::{Counters, Mode};
 use pghydrate::ConnectionSpec;
 use pghydrate_tests::{
-    assert_all_blocks_buffered, assert_outcomes_partition_plan, cli, test_tls, Cluster, CuttingProxy,
-    SUPERUSER_PASSWORD,
+    assert_all_blocks_buffered, assert_outcomes_partition_plan, cli, plan_opts, run_opts, test_tls, Cluster,
+    CuttingProxy, SUPERUSER_PASSWORD,
 };
-
-fn plan_opts(dbs: &[&str]) -> PlanOptions {
-    PlanOptions {
-        range_blocks: 64,
-        create_extension: true,
-        lock_attempts: 3,
-        include_databases: dbs.iter().map(|d| d.to_string()).collect(),
-        ..Default::default()
-    }
-}
-
-fn run_opts(sessions: u32, mode: Mode) -> RunOptions {
-    RunOptions {
-        warm: WarmOptions {
-            sessions,
-            mode,
-            lock_timeout: Duration::from_secs(2),
-            margin: Duration::from_secs(1),
-            reconnect_for: Duration::from_secs(20),
-            ..WarmOptions::default()
-        },
-        maintenance: Maintenance::None,
-        maintenance_timeout: Duration::from_secs(60),
-    }
-}
 
 async fn run(spec: &ConnectionSpec, st: &mut RunState, opts: &RunOptions) {
     let run = st.advance(spec, opts, Arc::new(Counters::default()));
@@ -494,20 +469,7 @@ async fn a_standby_is_warmed_and_nothing_is_attempted_on_it(major: u32) {
     eprintln!("measured: PostgreSQL {major} standby: {checked} forks, every block buffered; {} tables not maintained, with why", r.maintenance.len());
 }
 
-macro_rules! on_versions {
-    ($($test:ident),*) => {
-        $(
-            mod $test {
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg15() { super::$test(15).await }
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg18() { super::$test(18).await }
-            }
-        )*
-    };
-}
-
-on_versions!(
+pghydrate_tests::on_oldest_and_newest!(
     a_run_writes_nothing,
     network_cuts_are_survived,
     relations_rewritten_after_planning,

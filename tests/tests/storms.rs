@@ -13,36 +13,18 @@ use pghydrate::maintain::{maintain, MaintainOptions, Maintenance, MaintenanceOut
 use pghydrate::plan::SkipReason;
 use pghydrate::report::{self, ForkOutcome, RunStatus};
 use pghydrate::run::{RunOptions, RunState};
-use pghydrate::warm::{Counters, Mode, RangeHook, WarmOptions};
+use pghydrate::warm::{Counters, Mode, RangeHook};
 use pghydrate::ConnectionSpec;
 use pghydrate_tests::{
-    assert_all_blocks_buffered, assert_outcomes_partition_plan, pghydrate_bin, test_tls, BlackholeProxy, Cluster,
-    SUPERUSER_PASSWORD,
+    assert_all_blocks_buffered, assert_outcomes_partition_plan, pghydrate_bin, plan_opts, test_tls, BlackholeProxy,
+    Cluster, SUPERUSER_PASSWORD,
 };
 
-fn plan_opts(dbs: &[&str]) -> PlanOptions {
-    PlanOptions {
-        range_blocks: 64,
-        create_extension: true,
-        lock_attempts: 3,
-        include_databases: dbs.iter().map(|d| d.to_string()).collect(),
-        ..Default::default()
-    }
-}
-
+/// [`pghydrate_tests::run_opts`] in buffer mode, with a 4 s margin.
 fn run_opts(sessions: u32) -> RunOptions {
-    RunOptions {
-        warm: WarmOptions {
-            sessions,
-            mode: Mode::Buffer,
-            lock_timeout: Duration::from_secs(2),
-            margin: Duration::from_secs(4),
-            reconnect_for: Duration::from_secs(20),
-            ..WarmOptions::default()
-        },
-        maintenance: Maintenance::None,
-        maintenance_timeout: Duration::from_secs(60),
-    }
+    let mut opts = pghydrate_tests::run_opts(sessions, Mode::Buffer);
+    opts.warm.margin = Duration::from_secs(4);
+    opts
 }
 
 /// Advances the state, failing the test if it does not end within `bound` (a hang is the failure
@@ -565,20 +547,10 @@ async fn small_forks_are_read_many_to_a_statement() {
     eprintln!("measured: {forks} ranges read in {statements} transactions");
 }
 
-macro_rules! on_versions {
-    ($($test:ident),*) => {
-        $(
-            mod $test {
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg15() { super::$test(15).await }
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn pg18() { super::$test(18).await }
-            }
-        )*
-    };
-}
-
-on_versions!(a_half_open_connection_is_noticed_and_the_run_ends_complete, partitions_follow_their_parent);
+pghydrate_tests::on_oldest_and_newest!(
+    a_half_open_connection_is_noticed_and_the_run_ends_complete,
+    partitions_follow_their_parent
+);
 
 /// The workflow's Warm call, same fault: a database unreachable for the whole reconnect window fails
 /// the call as `ConnectionFailed`, which the state machine's Retry names (5 attempts, 5 s doubling);

@@ -77,13 +77,16 @@ impl Aws {
 /// How the database-facing functions connect, from their environment:
 /// PGHYDRATE_TLS (default verify-full), PGHYDRATE_CA_BUNDLE (the RDS CA bundle, PEM),
 /// PGHYDRATE_MARGIN_SECONDS (stop this long before the Lambda deadline, default 60),
-/// PGHYDRATE_LOCK_TIMEOUT_SECONDS (default 5).
+/// PGHYDRATE_LOCK_TIMEOUT_SECONDS (default 5), PGHYDRATE_RECONNECT_SECONDS (how long a Warm call
+/// keeps reconnecting to a database it lost before it fails with ConnectionFailed, which the state
+/// machine retries with backoff; default 120).
 #[derive(Debug, Clone)]
 pub struct DbConfig {
     pub tls: TlsMode,
     pub ca_file: Option<PathBuf>,
     pub margin: Duration,
     pub lock_timeout: Duration,
+    pub reconnect_for: Duration,
 }
 
 impl DbConfig {
@@ -110,6 +113,7 @@ impl DbConfig {
             ca_file: var("PGHYDRATE_CA_BUNDLE").map(PathBuf::from),
             margin: secs("PGHYDRATE_MARGIN_SECONDS", 60)?,
             lock_timeout: secs("PGHYDRATE_LOCK_TIMEOUT_SECONDS", 5)?,
+            reconnect_for: secs("PGHYDRATE_RECONNECT_SECONDS", 120)?,
         })
     }
 

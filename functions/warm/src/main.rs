@@ -37,6 +37,7 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let spec = deps.db.connect_spec(&deps.aws, &run, &endpoint).await?;
     let mut opts = call_options(until, deps.db.margin);
     opts.lock_timeout = deps.db.lock_timeout;
+    opts.reconnect_for = deps.db.reconnect_for;
     item.advance(&spec, &opts).await?;
     let summary = item.summary();
     tracing::info!(instance = %target.instance, item = item.id, warmed_bytes = summary.warmed_bytes,
