@@ -33,15 +33,20 @@ class Volume:
         self.proc = None
         self.params = {}
 
-    def mount(self, latency="10ms", concurrency=8, bandwidth_mib=0.0, chunk_bytes=512 * 1024):
+    def mount(self, latency="10ms", concurrency=8, bandwidth_mib=0.0, chunk_bytes=512 * 1024, iops=0.0,
+              throughput_mib=0.0, burst_seconds="0s", burst_iops=0.0, burst_throughput_mib=0.0,
+              latency_jitter="0ms", seed=1):
         if os.geteuid() != 0:
             raise RuntimeError("the lazy volume mounts with mount(2): run as root")
-        self.params = dict(latency=latency, concurrency=concurrency, bandwidth_mib=bandwidth_mib, chunk_bytes=chunk_bytes)
+        self.params = dict(latency=latency, concurrency=concurrency, bandwidth_mib=bandwidth_mib, chunk_bytes=chunk_bytes,
+                           iops=iops, throughput_mib=throughput_mib, burst_seconds=burst_seconds,
+                           burst_iops=burst_iops, burst_throughput_mib=burst_throughput_mib,
+                           latency_jitter=latency_jitter, seed=seed)
         self.status_file.unlink(missing_ok=True)
-        self.proc = subprocess.Popen(
-            [str(self.binary), str(self.back), str(self.mnt), "--latency", latency, "--concurrency", str(concurrency),
-             "--bandwidth-mib", str(bandwidth_mib), "--chunk-bytes", str(chunk_bytes), "--status", str(self.status_file)],
-            stdout=open(self.log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+        args = [str(self.binary), str(self.back), str(self.mnt), "--status", str(self.status_file)]
+        for k, v in self.params.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        self.proc = subprocess.Popen(args, stdout=open(self.log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
         end = time.time() + 30
         while not self._mounted():
             if self.proc.poll() is not None or time.time() > end:

@@ -70,3 +70,50 @@ def test_a_tablespace_on_the_lazy_volume_reads_back_intact_and_cold(workdir, maj
         if pg:
             pg.stop("immediate")
         vol.unmount()
+
+
+def read_through(vol, name: str) -> float:
+    """Reads a file through the volume in 1 MiB reads; returns the seconds it took."""
+    started = time.monotonic()
+    with open(vol.mnt / name, "rb", buffering=0) as f:
+        while f.read(1 << 20):
+            pass
+    return time.monotonic() - started
+
+
+def test_the_volume_enforces_its_iops_throughput_and_burst(workdir):
+    """What an instance's volume adds to the lazy fetch: every read request costs I/O operations (one
+    per 256 KiB) against an IOPS cap, all reads share a throughput cap, and a burst allowance runs out.
+    Each cap is checked from below (the time a read must at least take), where a clock cannot flake."""
+    vol = Volume(workdir, BINARY)
+    for name in ("a", "b", "c", "d"):
+        (vol.back / name).write_bytes(os.urandom(16 << 20))
+    try:
+        vol.mount(latency="0ms", iops=50)
+        took = read_through(vol, "a")
+        time.sleep(0.1)
+        s = vol.status()
+        assert s["read_bytes"] >= 16 << 20 and s["io_ops"] >= 64, s
+        assert took >= (s["io_ops"] - 1) / 50 * 0.95, (took, s)
+        assert s["paced_seconds"] > 0, s
+
+        vol.remount(latency="0ms", throughput_mib=8)
+        took = read_through(vol, "b")
+        assert took >= 16 / 8 * 0.95, took
+
+        # 1 s of burst at 1,000 IOPS, then 20: the first file's requests fit in the burst, the next
+        # one's do not.
+        vol.remount(latency="0ms", iops=20, burst_iops=1000, burst_seconds="1s")
+        took = read_through(vol, "c")
+        time.sleep(0.1)
+        ops_in_burst = vol.status()["io_ops"]
+        assert ops_in_burst >= 64 and took < ops_in_burst / 20 / 2, (took, ops_in_burst, "the burst did not apply")
+        time.sleep(max(0.0, 1.1 - took))
+        took = read_through(vol, "d")
+        time.sleep(0.1)
+        ops_after = vol.status()["io_ops"] - ops_in_burst
+        assert took >= (ops_after - 1) / 20 * 0.95, (took, ops_after, "the baseline did not apply after the burst")
+        for k, v in (("iops", 20), ("burst_iops", 1000), ("burst_seconds", 1.0)):
+            assert vol.status()[k] == v, vol.status()
+    finally:
+        vol.unmount()

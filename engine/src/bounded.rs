@@ -33,6 +33,22 @@ impl Failed {
         }
     }
 
+    /// The error of a statement that gave no result, `context` saying what it was for. A server error
+    /// that does not mean the session is gone stays a query error; a lost session, no answer or a
+    /// stop is a connection failure of `target` (ConnectionFailed, which the workflow retries).
+    pub fn into_error(self, target: String, context: &str) -> crate::error::Error {
+        match self {
+            Failed::Server(e) if disposition_of(&e) != Disposition::SessionLost => {
+                crate::error::Error::query(context, e)
+            }
+            other => crate::error::Error::Connect {
+                target,
+                reason: format!("{context}: {}", other.describe()),
+                source: None,
+            },
+        }
+    }
+
     pub fn describe(&self) -> String {
         match self {
             Failed::Server(e) => describe(e),

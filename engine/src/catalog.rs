@@ -64,14 +64,7 @@ fn catalog_bound(spec: &ConnectionSpec) -> Duration {
 
 /// The error of a catalog statement that gave no result.
 fn catalog_error(spec: &ConnectionSpec, context: impl Into<String>, f: Failed) -> Error {
-    match f {
-        Failed::Server(e) => Error::query(context, e),
-        other => Error::Connect {
-            target: spec.target(),
-            reason: format!("{}: {}", context.into(), other.describe()),
-            source: None,
-        },
-    }
+    f.into_error(spec.target(), &context.into())
 }
 
 pub async fn server_info(spec: &ConnectionSpec, client: &Client) -> Result<ServerInfo> {

@@ -93,7 +93,13 @@ pub async fn targets(
     for db in databases {
         let listed = async {
             let client = spec.connect(db).await?;
-            let ancestors = if client_version(&client).await >= 120000 {
+            let bound = client_bound(spec.statement_timeout(), Duration::from_secs(30));
+            let version = client.query_one("SELECT current_setting('server_version_num')::int4", &[]);
+            let version: i32 = bounded(spec, &client, bound, version)
+                .await
+                .map_err(|f| f.into_error(format!("database {db:?}"), "reading the server version"))?
+                .get(0);
+            let ancestors = if version >= 120000 {
                 "CASE WHEN c.relispartition THEN (SELECT pg_catalog.array_agg(a.relid::oid)
                    FROM pg_catalog.pg_partition_ancestors(c.oid) a WHERE a.relid::oid <> c.oid) END"
             } else {
@@ -108,10 +114,9 @@ pub async fn targets(
                   ORDER BY c.oid"
             );
             let list = client.query(&sql, &[]);
-            bounded(spec, &client, client_bound(spec.statement_timeout(), Duration::from_secs(30)), list)
+            bounded(spec, &client, bound, list)
                 .await
-                .map_err(|f| f.describe())
-                .map_err(|reason| Error::Connect { target: format!("database {db:?}"), reason, source: None })
+                .map_err(|f| f.into_error(format!("database {db:?}"), "listing the tables to maintain"))
         };
         match listed.await {
             Ok(rows) => {
@@ -169,13 +174,6 @@ pub async fn targets(
     out
 }
 
-async fn client_version(client: &tokio_postgres::Client) -> i32 {
-    match client.query_one("SELECT current_setting('server_version_num')::int4", &[]).await {
-        Ok(row) => row.get(0),
-        Err(_) => 0,
-    }
-}
-
 impl Maintenance {
     /// The statement's name, for reports.
     pub fn statement(self) -> &'static str {
@@ -224,11 +222,7 @@ pub async fn maintain(
                     client.query_one("SELECT current_setting('server_version_num')::int4, pg_is_in_recovery()", &[]);
                 let row = bounded(spec, &client, client_bound(spec.connect_timeout(), opts.margin), look)
                     .await
-                    .map_err(|f| Error::Connect {
-                        target: format!("database {:?}", t.database),
-                        reason: f.describe(),
-                        source: None,
-                    })?;
+                    .map_err(|f| f.into_error(format!("database {:?}", t.database), "opening a session"))?;
                 Ok::<_, Error>((t.database.clone(), client, row.get(0), row.get(1)))
             };
             match opened.await {

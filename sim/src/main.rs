@@ -7,6 +7,16 @@
 //! are as fast as the backing disk. Data written after the mount is local, never fetched. An optional
 //! background hydration fetches cold chunks slowly, as RDS does on its own.
 //!
+//! What a real volume behind an instance adds, each off unless given:
+//! - `--iops`: every read request the volume serves, cold or not, costs ceil(size / 256 KiB) I/O
+//!   operations (as EBS counts SSD I/O), admitted at this many per second: many small requests cost
+//!   more than few large ones.
+//! - `--throughput-mib`: every read's bytes share this many MiB/s (the instance's EBS bandwidth).
+//! - `--burst-seconds` with `--burst-iops` / `--burst-throughput-mib`: those caps hold for the first
+//!   seconds after the first read, then the baseline ones (an instance's daily burst, run out).
+//! - `--latency-jitter`: each fetch waits `--latency` plus or minus up to this much, uniformly, from a
+//!   seeded generator (`--seed`), so a run can be repeated exactly.
+//!
 //! Mounting again starts all cold (the kernel's page cache goes with the mount). The state is written
 //! to `--status` (JSON) every 20 ms: chunks in the snapshot, chunks fetched, bytes fetched. The
 //! file system never changes a byte: reads and writes go to the backing files at the same offsets.
@@ -54,6 +64,27 @@ struct Args {
     /// Background hydration: chunks per second fetched on the volume's own (0: none).
     #[arg(long, default_value_t = 0.0)]
     background_chunks_per_second: f64,
+    /// I/O operations per second the volume serves (0: no limit). A request of up to 256 KiB is one.
+    #[arg(long, default_value_t = 0.0)]
+    iops: f64,
+    /// MiB/s of every read together, cold or not (0: no limit): the instance's EBS bandwidth.
+    #[arg(long, default_value_t = 0.0)]
+    throughput_mib: f64,
+    /// For this long after the first read, --burst-iops and --burst-throughput-mib hold instead.
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    burst_seconds: Duration,
+    /// IOPS while the burst lasts (0: --iops).
+    #[arg(long, default_value_t = 0.0)]
+    burst_iops: f64,
+    /// MiB/s while the burst lasts (0: --throughput-mib).
+    #[arg(long, default_value_t = 0.0)]
+    burst_throughput_mib: f64,
+    /// Each fetch waits --latency plus or minus up to this much (uniform).
+    #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
+    latency_jitter: Duration,
+    /// Seed of the jitter's generator.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
     /// JSON status file, rewritten every 20 ms.
     #[arg(long)]
     status: Option<PathBuf>,
@@ -85,6 +116,11 @@ struct Stats {
     fetched_bytes: AtomicU64,
     reads: AtomicU64,
     cold_reads: AtomicU64,
+    /// I/O operations counted against --iops (ceil(size / 256 KiB) per read request).
+    io_ops: AtomicU64,
+    read_bytes: AtomicU64,
+    /// Microseconds read requests waited for the IOPS and throughput caps, summed.
+    paced_us: AtomicU64,
     started: Instant,
     started_unix: f64,
 }
@@ -95,11 +131,26 @@ struct Lazy {
     changed: Condvar,
     /// Bandwidth schedule: when the shared link is free again.
     link_free_at: Mutex<Instant>,
+    /// The volume's own caps (IOPS, throughput, burst).
+    pacer: Mutex<Pacer>,
+    /// The jitter's generator (xorshift64*).
+    rng: Mutex<u64>,
     stats: Stats,
     inodes: RwLock<Inodes>,
     handles: Mutex<HashMap<u64, Arc<File>>>,
     next_fh: AtomicU64,
 }
+
+/// When the volume's IOPS and throughput schedules are free again, and when the first read came
+/// (the burst's start).
+struct Pacer {
+    ops_free_at: Instant,
+    bytes_free_at: Instant,
+    first_read: Option<Instant>,
+}
+
+/// An EBS I/O operation: up to 256 KiB on SSD volumes.
+const IO_OP_BYTES: u64 = 256 * 1024;
 
 #[derive(Default)]
 struct Inodes {
@@ -198,11 +249,14 @@ impl Lazy {
         inodes.by_ino.insert(1, PathBuf::new());
         inodes.by_path.insert(PathBuf::new(), 1);
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs_f64();
+        let seed = args.seed.max(1);
         Ok(Lazy {
             args,
             chunks: Mutex::new(Chunks { files, in_flight: 0 }),
             changed: Condvar::new(),
             link_free_at: Mutex::new(Instant::now()),
+            pacer: Mutex::new(Pacer { ops_free_at: Instant::now(), bytes_free_at: Instant::now(), first_read: None }),
+            rng: Mutex::new(seed),
             stats: Stats {
                 total_chunks: total,
                 discarded_chunks: AtomicU64::new(0),
@@ -210,6 +264,9 @@ impl Lazy {
                 fetched_bytes: AtomicU64::new(0),
                 reads: AtomicU64::new(0),
                 cold_reads: AtomicU64::new(0),
+                io_ops: AtomicU64::new(0),
+                read_bytes: AtomicU64::new(0),
+                paced_us: AtomicU64::new(0),
                 started: Instant::now(),
                 started_unix: now,
             },
@@ -254,6 +311,62 @@ impl Lazy {
         }
     }
 
+    /// The caps in force at `now`: (IOPS, bytes per second), each 0 for none.
+    fn caps(&self, first_read: Instant, now: Instant) -> (f64, f64) {
+        let a = &self.args;
+        let bursting = now < first_read + a.burst_seconds;
+        let iops = if bursting && a.burst_iops > 0.0 { a.burst_iops } else { a.iops };
+        let mib = if bursting && a.burst_throughput_mib > 0.0 { a.burst_throughput_mib } else { a.throughput_mib };
+        (iops, mib * 1048576.0)
+    }
+
+    /// Admits a read request of `size` bytes under the volume's IOPS and throughput caps: it waits
+    /// for its turn in the I/O schedule and until its bytes have passed the shared throughput.
+    fn pace(&self, size: u64) {
+        let ops = size.div_ceil(IO_OP_BYTES).max(1);
+        self.stats.io_ops.fetch_add(ops, Ordering::Relaxed);
+        self.stats.read_bytes.fetch_add(size, Ordering::Relaxed);
+        let until = {
+            let mut p = self.pacer.lock().unwrap();
+            let now = Instant::now();
+            let first = *p.first_read.get_or_insert(now);
+            let (iops, bytes_per_second) = self.caps(first, now);
+            let mut until = now;
+            if iops > 0.0 {
+                let start = p.ops_free_at.max(now);
+                p.ops_free_at = start + Duration::from_secs_f64(ops as f64 / iops);
+                until = until.max(start);
+            }
+            if bytes_per_second > 0.0 {
+                let start = p.bytes_free_at.max(now);
+                p.bytes_free_at = start + Duration::from_secs_f64(size as f64 / bytes_per_second);
+                until = until.max(p.bytes_free_at);
+            }
+            until
+        };
+        let wait = until.saturating_duration_since(Instant::now());
+        if !wait.is_zero() {
+            self.stats.paced_us.fetch_add(wait.as_micros() as u64, Ordering::Relaxed);
+            std::thread::sleep(wait);
+        }
+    }
+
+    /// One fetch's latency: --latency plus or minus up to --latency-jitter, uniformly.
+    fn fetch_latency(&self) -> Duration {
+        let jitter = self.args.latency_jitter.as_secs_f64();
+        if jitter == 0.0 {
+            return self.args.latency;
+        }
+        let u = {
+            let mut x = self.rng.lock().unwrap();
+            *x ^= *x >> 12;
+            *x ^= *x << 25;
+            *x ^= *x >> 27;
+            (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+        };
+        Duration::from_secs_f64((self.args.latency.as_secs_f64() + (2.0 * u - 1.0) * jitter).max(0.0))
+    }
+
     /// Fetches the cold chunks among `first..=last` of the backing file `key`: waits for fetches of
     /// the same chunks by others, starts its own under the concurrency cap and the bandwidth schedule.
     fn hydrate(&self, key: (u64, u64), first: u64, last: u64) {
@@ -286,7 +399,7 @@ impl Lazy {
         }
         // Fetch what this request took (in parallel with every other request's fetches).
         let bytes = mine.len() as u64 * self.args.chunk_bytes;
-        let mut until = Instant::now() + self.args.latency;
+        let mut until = Instant::now() + self.fetch_latency();
         if self.args.bandwidth_mib > 0.0 {
             let transfer = Duration::from_secs_f64(bytes as f64 / (self.args.bandwidth_mib * 1048576.0));
             let mut link = self.link_free_at.lock().unwrap();
@@ -320,6 +433,13 @@ impl Lazy {
             "latency_ms": self.args.latency.as_secs_f64() * 1000.0,
             "concurrency": self.args.concurrency,
             "bandwidth_mib": self.args.bandwidth_mib,
+            "iops": self.args.iops,
+            "throughput_mib": self.args.throughput_mib,
+            "burst_seconds": self.args.burst_seconds.as_secs_f64(),
+            "burst_iops": self.args.burst_iops,
+            "burst_throughput_mib": self.args.burst_throughput_mib,
+            "latency_jitter_ms": self.args.latency_jitter.as_secs_f64() * 1000.0,
+            "seed": self.args.seed,
             "total_chunks": self.stats.total_chunks,
             "fetched_chunks": fetched,
             "fetched_bytes": self.stats.fetched_bytes.load(Ordering::Relaxed),
@@ -328,6 +448,12 @@ impl Lazy {
             "hydrated": if fetchable == 0 { 1.0 } else { fetched as f64 / fetchable as f64 },
             "reads": self.stats.reads.load(Ordering::Relaxed),
             "cold_reads": self.stats.cold_reads.load(Ordering::Relaxed),
+            "io_ops": self.stats.io_ops.load(Ordering::Relaxed),
+            "read_bytes": self.stats.read_bytes.load(Ordering::Relaxed),
+            "paced_seconds": self.stats.paced_us.load(Ordering::Relaxed) as f64 / 1e6,
+            "first_read_unix": self.pacer.lock().unwrap().first_read.map(|f| {
+                self.stats.started_unix + f.saturating_duration_since(self.stats.started).as_secs_f64()
+            }),
             "mounted_unix": self.stats.started_unix,
             "seconds": self.stats.started.elapsed().as_secs_f64(),
         })
@@ -542,6 +668,7 @@ impl Filesystem for Fs {
         };
         self.0.stats.reads.fetch_add(1, Ordering::Relaxed);
         if size > 0 {
+            self.0.pace(size as u64);
             if let Ok(m) = f.metadata() {
                 let key = (m.dev(), m.ino());
                 let first = offset / self.0.args.chunk_bytes;
@@ -689,6 +816,17 @@ fn main() {
         eprintln!("pghydrate-lazyvol: --concurrency and --chunk-bytes must be positive");
         std::process::exit(2);
     }
+    let rates = [args.bandwidth_mib, args.iops, args.throughput_mib, args.burst_iops, args.burst_throughput_mib];
+    if rates.iter().any(|r| !r.is_finite() || *r < 0.0) {
+        eprintln!(
+            "pghydrate-lazyvol: rates (--bandwidth-mib, --iops, --throughput-mib, --burst-*) must be 0 or positive"
+        );
+        std::process::exit(2);
+    }
+    if args.latency_jitter > args.latency {
+        eprintln!("pghydrate-lazyvol: --latency-jitter may not exceed --latency");
+        std::process::exit(2);
+    }
     let lazy = match Lazy::new(args.clone()) {
         Ok(l) => Arc::new(l),
         Err(e) => {
@@ -697,13 +835,20 @@ fn main() {
         }
     };
     eprintln!(
-        "pghydrate-lazyvol: {} chunks of {} KiB cold under {} (latency {:?}, {} fetches at once, bandwidth {})",
+        "pghydrate-lazyvol: {} chunks of {} KiB cold under {} (latency {:?} +- {:?}, {} fetches at once, fetch bandwidth {}, \
+         volume {} IOPS, {} MiB/s, burst {:?} at {} IOPS, {} MiB/s)",
         lazy.stats.total_chunks,
         args.chunk_bytes / 1024,
         args.mountpoint.display(),
         args.latency,
+        args.latency_jitter,
         args.concurrency,
-        if args.bandwidth_mib > 0.0 { format!("{} MiB/s", args.bandwidth_mib) } else { "unlimited".into() }
+        if args.bandwidth_mib > 0.0 { format!("{} MiB/s", args.bandwidth_mib) } else { "unlimited".into() },
+        args.iops,
+        args.throughput_mib,
+        args.burst_seconds,
+        args.burst_iops,
+        args.burst_throughput_mib,
     );
     if let Some(path) = args.status.clone() {
         let me = lazy.clone();
@@ -765,5 +910,44 @@ fn wait_for_signal(set: &[u64; 16]) {
     // SAFETY: as above.
     unsafe {
         sigwait(set, &mut sig);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lazy(extra: &[&str]) -> Lazy {
+        let dir = std::env::temp_dir().join(format!("lazyvol-test-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let d = dir.to_str().unwrap();
+        let mut argv = vec!["pghydrate-lazyvol", d, d];
+        argv.extend_from_slice(extra);
+        Lazy::new(Args::parse_from(argv)).unwrap()
+    }
+
+    #[test]
+    fn fetch_latency_jitters_within_its_bounds_and_repeats_with_its_seed() {
+        let draw = |seed: &str| {
+            let l = lazy(&["--latency", "20ms", "--latency-jitter", "10ms", "--seed", seed]);
+            (0..2000).map(|_| l.fetch_latency().as_secs_f64() * 1000.0).collect::<Vec<f64>>()
+        };
+        let a = draw("7");
+        assert!(a.iter().all(|ms| (10.0..=30.0).contains(ms)), "outside 20 +- 10 ms");
+        let mean = a.iter().sum::<f64>() / a.len() as f64;
+        assert!((mean - 20.0).abs() < 1.0, "mean {mean}");
+        assert!(a.iter().any(|ms| *ms < 12.0) && a.iter().any(|ms| *ms > 28.0), "spread over the whole range");
+        assert_eq!(a, draw("7"), "the same seed, the same latencies");
+        assert_ne!(a, draw("8"));
+        let flat = lazy(&["--latency", "20ms"]);
+        assert_eq!(flat.fetch_latency(), Duration::from_millis(20));
+    }
+
+    #[test]
+    fn caps_switch_from_burst_to_baseline() {
+        let l = lazy(&["--iops", "100", "--throughput-mib", "10", "--burst-seconds", "2s", "--burst-iops", "1000"]);
+        let t0 = Instant::now();
+        assert_eq!(l.caps(t0, t0 + Duration::from_secs(1)), (1000.0, 10.0 * 1048576.0), "burst IOPS, baseline MiB/s");
+        assert_eq!(l.caps(t0, t0 + Duration::from_secs(3)), (100.0, 10.0 * 1048576.0));
     }
 }
