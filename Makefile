@@ -7,7 +7,7 @@ export CARGO_TARGET_DIR ?= $(PGHYDRATE_HOME)/target
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: setup build demo test e2e twin-up twin-down bench bench-plan unit check-infra bench-modes clean-demo
+.PHONY: setup build demo test e2e twin-up twin-down bench bench-matrix bench-plan unit check-infra bench-modes clean-demo
 
 setup:
 	bash scripts/setup.sh
@@ -47,6 +47,12 @@ bench: setup
 	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench.py $(BENCH_ARGS)
 
 ## Planning at scale: 100,000 relations in 4 databases; wall time, peak memory, plan size (needs root).
+## The matrix: defaults vs a sweep of fixed session counts and the recipe, on several simulated volumes.
+bench-matrix: setup
+	$(CARGO) build --release --locked -p pghydrate-cli -p pghydrate-lazyvol
+	bash twin/up.sh --venv
+	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench-matrix.py $(BENCH_ARGS)
+
 bench-plan: setup
 	$(CARGO) build --release --locked -p pghydrate-cli
 	bash twin/up.sh --venv

@@ -81,7 +81,10 @@ class Bench:
     def cold(self):
         self.pg.stop()
         self.vol.remount(latency=self.args.latency, concurrency=self.args.concurrency,
-                         bandwidth_mib=self.args.bandwidth_mib)
+                         bandwidth_mib=self.args.bandwidth_mib, iops=self.args.iops,
+                         throughput_mib=self.args.throughput_mib, burst_seconds=self.args.burst_seconds,
+                         burst_iops=self.args.burst_iops, burst_throughput_mib=self.args.burst_throughput_mib,
+                         latency_jitter=self.args.latency_jitter, seed=self.args.seed)
         self.pg.start()
         return self.vol.status()
 
@@ -127,7 +130,9 @@ class Bench:
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, PGHYDRATE_LOG="error"))
         r = self.watch(p, self.args.limit)
-        r["verified_coverage"] = json.loads(report.read_text())["coverage"]
+        rep = json.loads(report.read_text())
+        r["verified_coverage"] = rep["coverage"]
+        r["levels"] = rep.get("levels", [])
         return r
 
     def recipe(self, sessions=15):
@@ -219,7 +224,17 @@ def main():
     ap.add_argument("--small", type=int, default=300, help="number of small tables")
     ap.add_argument("--latency", default="50ms")
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--bandwidth-mib", type=float, default=0.0)
+    ap.add_argument("--bandwidth-mib", type=float, default=0.0, help="fetch bandwidth from the snapshot")
+    ap.add_argument("--iops", type=float, default=0.0, help="the volume's IOPS cap (0: none)")
+    ap.add_argument("--throughput-mib", type=float, default=0.0, help="the volume's (instance's) MiB/s cap (0: none)")
+    ap.add_argument("--burst-seconds", default="0s")
+    ap.add_argument("--burst-iops", type=float, default=0.0)
+    ap.add_argument("--burst-throughput-mib", type=float, default=0.0)
+    ap.add_argument("--latency-jitter", default="0ms")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--extra", default="", help="one more pghydrate run with these options (space-separated)")
+    ap.add_argument("--sweep", default="", help="also run pghydrate with each of these fixed --sessions "
+                    "(comma-separated), e.g. 4,8,16,32,64")
     ap.add_argument("--limit", type=float, default=300, help="seconds to wait for 100%% per strategy")
     ap.add_argument("--recipe-limit", type=float, default=60, help="seconds to wait after the recipe")
     ap.add_argument("--quick", action="store_true", help="fewer strategies (defaults, recipe, cat)")
@@ -244,6 +259,10 @@ def main():
                                for m in ("read", "buffer", "prefetch")]
                 strategies += [(f"pghydrate --sessions {n}", (lambda n=n: b.pghydrate("--sessions", str(n))))
                                for n in (4, 16)]
+            strategies += [(f"pghydrate --sessions {n}", (lambda n=n: b.pghydrate("--sessions", str(n))))
+                           for n in [int(x) for x in args.sweep.split(",") if x]]
+            if args.extra:
+                strategies.append((f"pghydrate {args.extra}", lambda: b.pghydrate(*args.extra.split())))
             for name, run in strategies:
                 if args.only and not any(o and o in name for o in args.only.split(",")):
                     continue

@@ -172,11 +172,52 @@ struct PlanArgs {
     no_create_extension: bool,
 }
 
+/// `--sessions`: `auto`, or a number of sessions that read throughout.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum SessionsArg {
+    Auto,
+    Fixed(u32),
+}
+
+fn parse_sessions(s: &str) -> Result<SessionsArg, String> {
+    if s == "auto" {
+        return Ok(SessionsArg::Auto);
+    }
+    match s.parse::<u32>() {
+        Ok(n) if (1..=1024).contains(&n) => Ok(SessionsArg::Fixed(n)),
+        _ => Err("expected auto or a number of sessions from 1 to 1024".into()),
+    }
+}
+
+/// The sessions a state reads with, and whether they adapt: `auto` climbs from 8 up to
+/// `max_sessions` while throughput grows; a number is fixed. Either way at most half the server's
+/// free connection slots.
+fn sessions_of(arg: SessionsArg, max_sessions: u32, server: &pghydrate::plan::ServerInfo) -> (u32, bool) {
+    let (requested, adaptive) = match arg {
+        SessionsArg::Auto => (max_sessions, true),
+        SessionsArg::Fixed(n) => (n, false),
+    };
+    let (n, warning) = effective_sessions(requested, server);
+    if let Some(w) = warning {
+        tracing::warn!("{w}");
+    }
+    (n, adaptive)
+}
+
 #[derive(Args)]
 struct WarmArgs {
-    /// Parallel sessions (capped at half the server's free connection slots).
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    sessions: u32,
+    /// Reading sessions: auto (start at 8, add sessions while the throughput they deliver grows, up
+    /// to --max-sessions, and settle where it stops), or a fixed number. Either way at most half the
+    /// server's free connection slots.
+    #[arg(long, default_value = "auto", value_parser = parse_sessions)]
+    sessions: SessionsArg,
+    /// Ceiling of --sessions auto.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    max_sessions: u32,
+    /// Blocks one statement reads at most: a longer planned range is read in steps of this many,
+    /// each of which any session may take (docs/tuning.md).
+    #[arg(long, default_value_t = pghydrate::warm::DEFAULT_STEP_BLOCKS, value_parser = clap::value_parser!(u64).range(1..))]
+    step_blocks: u64,
     /// pg_prewarm mode. auto: buffer on 17, and on 18 with io_method io_uring or sync; read elsewhere
     /// (measured: docs/benchmark.md). prefetch only asks the kernel and is not verified.
     #[arg(long, value_enum, default_value = "auto")]
@@ -210,9 +251,12 @@ struct LimitArgs {
 /// run started with (the continuation's).
 #[derive(Args)]
 struct ResumeArgs {
-    /// Parallel sessions (default: the run's).
+    /// Reading sessions, auto or a number (default: the run's).
+    #[arg(long, value_parser = parse_sessions)]
+    sessions: Option<SessionsArg>,
+    /// Ceiling of --sessions auto (default: the run's).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    sessions: Option<u32>,
+    max_sessions: Option<u32>,
     /// pg_prewarm mode (default: the run's).
     #[arg(long, value_enum)]
     mode: Option<ModeArg>,
@@ -375,16 +419,10 @@ fn plan_options(p: &PlanArgs, t: &TimeoutArgs, dry_run: bool) -> PlanOptions {
     }
 }
 
-fn run_options(
-    sessions: u32,
-    maintenance: Maintenance,
-    l: &LimitArgs,
-    t: &TimeoutArgs,
-    started: Instant,
-) -> RunOptions {
+/// Options for advancing a state; its sessions, mode and adaptivity come from the state itself.
+fn run_options(maintenance: Maintenance, l: &LimitArgs, t: &TimeoutArgs, started: Instant) -> RunOptions {
     RunOptions {
         warm: WarmOptions {
-            sessions,
             mode: Mode::Read, // replaced by the state's resolved mode
             statement_timeout: t.statement_timeout,
             lock_timeout: t.lock_timeout,
@@ -393,7 +431,7 @@ fn run_options(
             margin: l.margin,
             reconnect_for: l.reconnect_for,
             stop: Some(Arc::new(std::sync::atomic::AtomicBool::new(false))),
-            before_range: None,
+            ..WarmOptions::default()
         },
         maintenance,
         maintenance_timeout: l.maintenance_timeout,
@@ -444,17 +482,16 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
         Command::Run { conn, plan, warm, timeouts, out } => {
             let spec = spec_of(&conn, &timeouts)?;
             check_time_limit(warm.limits.time_limit, warm.limits.margin)?;
-            let opts = run_options(warm.sessions, maintenance_of(warm.maintenance), &warm.limits, &timeouts, started);
+            let mut opts = run_options(maintenance_of(warm.maintenance), &warm.limits, &timeouts, started);
+            opts.warm.step_blocks = warm.step_blocks;
             // From here on, a signal stops the run with a continuation (after planning, if it comes
             // during planning: then the continuation holds the whole plan).
             opts.warm.stop.clone().map(watch_signals);
             let plan = make_plan(&spec, &plan_options(&plan, &timeouts, false)).await?;
             let mode = mode_of(warm.mode, &plan.server);
-            let (sessions, warning) = effective_sessions(warm.sessions, &plan.server);
-            if let Some(w) = warning {
-                tracing::warn!("{w}");
-            }
+            let (sessions, adaptive) = sessions_of(warm.sessions, warm.max_sessions, &plan.server);
             let mut state = RunState::new(plan, mode, sessions, opts.maintenance);
+            state.adaptive = adaptive;
             drive(&spec, &mut state, &opts, &out, Path::new("pghydrate-continuation.json")).await
         }
         Command::Start(args) => start(args).await,
@@ -466,12 +503,20 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
             })?;
             let mut state = RunState::from_json(&text)?;
             check_time_limit(warm.limits.time_limit, warm.limits.margin)?;
-            if let Some(n) = warm.sessions {
-                let (n, warning) = effective_sessions(n, &state.plan.server);
-                if let Some(w) = warning {
-                    tracing::warn!("{w}");
+            let arg = match (warm.sessions, warm.max_sessions) {
+                (Some(a), _) => Some(a),
+                (None, Some(_)) if state.adaptive => Some(SessionsArg::Auto),
+                (None, Some(_)) => {
+                    return Err(Error::InvalidInput(
+                        "--max-sessions: this run reads with a fixed number of sessions; give --sessions auto too"
+                            .into(),
+                    ))
                 }
-                state.sessions = n;
+                (None, None) => None,
+            };
+            if let Some(arg) = arg {
+                let ceiling = warm.max_sessions.unwrap_or(if state.adaptive { state.sessions } else { 64 });
+                (state.sessions, state.adaptive) = sessions_of(arg, ceiling, &state.plan.server);
             }
             if let Some(m) = warm.mode {
                 state.mode = mode_of(m, &state.plan.server);
@@ -489,10 +534,11 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
                     state.maintenance = m;
                 }
             }
-            let opts = run_options(state.sessions, state.maintenance, &warm.limits, &timeouts, started);
+            let opts = run_options(state.maintenance, &warm.limits, &timeouts, started);
             opts.warm.stop.clone().map(watch_signals);
             tracing::info!(
                 sessions = state.sessions,
+                adaptive = state.adaptive,
                 mode = state.mode.as_str(),
                 maintenance = state.maintenance.statement(),
                 "resuming with"

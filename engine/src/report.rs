@@ -57,7 +57,14 @@ pub struct Report {
     pub server_version_num: u32,
     pub login_role: String,
     pub mode: String,
+    /// Reading sessions; with `adaptive`, their ceiling.
     pub sessions: u32,
+    /// Whether the number of reading sessions adapted to the throughput measured (`--sessions auto`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub adaptive: bool,
+    /// With `adaptive`: each level chosen, when (seconds of warming), and the throughput that led to it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub levels: Vec<crate::adaptive::Level>,
     pub maintenance_action: String,
     pub status: RunStatus,
     pub exit_code: i32,
@@ -185,6 +192,8 @@ pub fn build(state: &RunState) -> Report {
         login_role: plan.server.login_role.clone(),
         mode: state.mode.as_str().into(),
         sessions: state.sessions,
+        adaptive: state.adaptive,
+        levels: state.levels.clone(),
         maintenance_action: serde_json::to_value(state.maintenance).unwrap().as_str().unwrap_or("").into(),
         status: RunStatus::Complete,
         exit_code: 0,
@@ -321,14 +330,29 @@ impl Report {
     pub fn summary(&self) -> String {
         let mut s = String::new();
         let planned = self.databases.iter().filter(|d| d.outcome == DatabaseOutcome::Planned).count();
+        let sessions = if self.adaptive {
+            let path: Vec<String> = self.levels.iter().map(|l| l.sessions.to_string()).collect();
+            let path = if path.len() > 8 {
+                format!(
+                    "{} -> ... -> {} ({} changes)",
+                    path[..4].join(" -> "),
+                    path[path.len() - 3..].join(" -> "),
+                    path.len() - 1
+                )
+            } else {
+                path.join(" -> ")
+            };
+            format!("sessions adapted {path} (at most {})", self.sessions)
+        } else {
+            format!("{} sessions", self.sessions)
+        };
         let _ = writeln!(
             s,
-            "pghydrate {}: {} as {}, mode {}, {} sessions",
+            "pghydrate {}: {} as {}, mode {}, {sessions}",
             self.status.as_str(),
             self.server_version.split(" on ").next().unwrap_or(&self.server_version),
             self.login_role,
             self.mode,
-            self.sessions
         );
         let _ = writeln!(s, "  databases: {planned} hydrated");
         for d in self.databases.iter().filter(|d| d.outcome != DatabaseOutcome::Planned) {

@@ -43,6 +43,13 @@ pub struct RunState {
     /// Set when the last call was stopped by a signal (its name), not by the time limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub interrupted: Option<String>,
+    /// Whether the number of reading sessions adapts to the throughput measured, up to `sessions`
+    /// ([`crate::adaptive`]); otherwise `sessions` read.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub adaptive: bool,
+    /// With `adaptive`: the levels chosen, over every call (seconds counted in warm time).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub levels: Vec<crate::adaptive::Level>,
 }
 
 #[derive(Debug, Clone)]
@@ -90,6 +97,8 @@ impl RunState {
             calls: 0,
             unreachable: BTreeMap::new(),
             interrupted: None,
+            adaptive: false,
+            levels: Vec::new(),
             locks_retried: false,
         }
     }
@@ -152,6 +161,7 @@ impl RunState {
         let mut warm_opts = opts.warm.clone();
         warm_opts.mode = self.mode;
         warm_opts.sessions = self.sessions;
+        warm_opts.adaptive = self.adaptive;
         let near = || {
             opts.warm.deadline.is_some_and(|d| d.saturating_duration_since(Instant::now()) <= opts.warm.margin)
                 || opts.warm.stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
@@ -163,6 +173,10 @@ impl RunState {
                 let ranges = std::mem::take(&mut self.pending);
                 info!(ranges = ranges.len(), sessions = self.sessions, mode = self.mode.as_str(), "warming");
                 let warmed = warm::warm(spec, plan, ranges, &warm_opts, counters.clone()).await?;
+                let offset = self.warm_seconds;
+                self.levels.extend(
+                    warmed.levels.iter().map(|l| crate::adaptive::Level { at_seconds: l.at_seconds + offset, ..*l }),
+                );
                 self.outcomes.extend(warmed.outcomes);
                 self.pending = warmed.pending;
                 self.unreachable = warmed.unreachable;

@@ -3,7 +3,7 @@
 //! it is split), or stays pending when the deadline comes: outcomes plus pending always partition the
 //! planned ranges exactly.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -14,7 +14,7 @@ use tracing::{debug, info, warn};
 
 use crate::bounded::{bounded, bounded_or_stopped, client_bound, Failed};
 use crate::connect::ConnectionSpec;
-use crate::error::{is_connection_error, Disposition, Error, Result};
+use crate::error::{Disposition, Error, Result};
 use crate::plan::{BlockRange, Plan, ServerInfo, Skip, SkipReason};
 use crate::sql::{prewarm_batch_call, prewarm_call, ServerSql};
 
@@ -72,6 +72,13 @@ pub struct WarmOptions {
     /// Set (by a Ctrl-C or SIGTERM handler, say) to stop: no new range starts, and the ranges left are
     /// pending, as at a deadline.
     pub stop: Option<Arc<AtomicBool>>,
+    /// Adapt how many sessions read at once to the throughput they deliver ([`crate::adaptive`]),
+    /// between 1 and `sessions`; otherwise exactly `sessions` read.
+    pub adaptive: bool,
+    /// A planned range longer than this is read in statements of this many blocks, each taken from
+    /// the queue on its own: any session may read the next step of a large relation (parallelism
+    /// within it), and throughput is seen every few seconds, not once per range.
+    pub step_blocks: u64,
     /// Called before each range is worked on. For fault-injection tests only (a panic here is a bug in
     /// a worker); None in every binary.
     #[doc(hidden)]
@@ -103,10 +110,16 @@ impl Default for WarmOptions {
             margin: Duration::from_secs(30),
             reconnect_for: Duration::from_secs(120),
             stop: None,
+            adaptive: false,
+            step_blocks: DEFAULT_STEP_BLOCKS,
             before_range: None,
         }
     }
 }
+
+/// 8 MiB with 8 KiB blocks: at the tens of MiB/s one session gets from a lazily loaded volume, a step
+/// is a second or less, and one round trip per step costs nothing measurable.
+pub const DEFAULT_STEP_BLOCKS: u64 = 1024;
 
 /// What happened to one (part of a) planned range.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -144,6 +157,9 @@ pub struct Warmed {
     /// pending, not skipped: a failover or a reboot longer than `reconnect_for` ends the run with a
     /// continuation, and the rest is read when it is resumed (or when the workflow retries the call).
     pub unreachable: BTreeMap<String, String>,
+    /// With `adaptive`: every change of the number of reading sessions, with the throughput that led
+    /// to it (the first entry is the start).
+    pub levels: Vec<crate::adaptive::Level>,
 }
 
 /// Attempts a range gets for each cause before it is given up with that cause: a range that lost its
@@ -212,9 +228,14 @@ struct Shared {
     opts: WarmOptions,
     queue: Mutex<Queue>,
     outcomes: Mutex<Vec<RangeOutcome>>,
+    /// Per fork, the index in `outcomes` of its latest warmed outcome (steps join it).
+    latest_warmed: Mutex<HashMap<u32, usize>>,
     counters: Arc<Counters>,
     /// The tasks each worker holds, so that a worker that panics loses nothing.
     in_hand: Vec<Mutex<Vec<Task>>>,
+    /// Workers with an id below this read; the others wait, without a session (adaptive).
+    active: AtomicUsize,
+    levels: Mutex<Vec<crate::adaptive::Level>>,
 }
 
 /// Reads `ranges` of `plan`. Returns the outcomes recorded and the ranges left pending (the deadline
@@ -233,7 +254,9 @@ pub async fn warm(
     let total: u64 = ranges.iter().map(|r| plan.bytes(r.blocks())).sum();
     counters.planned_bytes.fetch_add(total, Ordering::Relaxed);
     let workers = (opts.sessions as usize).min(ranges.len()).max(1);
-    counters.sessions.store(workers, Ordering::Relaxed);
+    let controller = opts.adaptive.then(|| crate::adaptive::Controller::new(opts.sessions as usize));
+    let active = controller.as_ref().map_or(workers, |c| c.level().min(workers));
+    counters.sessions.store(active, Ordering::Relaxed);
     let shared = Arc::new(Shared {
         plan,
         spec: spec.clone(),
@@ -245,14 +268,18 @@ pub async fn warm(
             gone: HashSet::new(),
         }),
         outcomes: Mutex::new(Vec::new()),
+        latest_warmed: Mutex::new(HashMap::new()),
         counters,
         in_hand: (0..workers).map(|_| Mutex::new(Vec::new())).collect(),
+        active: AtomicUsize::new(active),
+        levels: Mutex::new(Vec::new()),
     });
     let mut handles = Vec::new();
     for id in 0..workers {
         let s = shared.clone();
         handles.push(tokio::spawn(async move { worker(id, s).await }));
     }
+    let steering = controller.map(|c| tokio::spawn(steer(shared.clone(), c)));
     for h in handles {
         if let Err(e) = h.await {
             // worker() catches its own panics; this is the runtime shutting down under it.
@@ -265,10 +292,88 @@ pub async fn warm(
             shared.queue.lock().unwrap().tasks.push_front(t);
         }
     }
-    let outcomes = std::mem::take(&mut *shared.outcomes.lock().unwrap());
+    if let Some(h) = steering {
+        h.abort();
+    }
+    let outcomes = join_steps(std::mem::take(&mut *shared.outcomes.lock().unwrap()));
+    let levels = std::mem::take(&mut *shared.levels.lock().unwrap());
     let mut q = shared.queue.lock().unwrap();
     let pending: Vec<BlockRange> = q.tasks.drain(..).map(|t| t.range).collect();
-    Ok(Warmed { outcomes, pending, unreachable: std::mem::take(&mut q.unreachable) })
+    Ok(Warmed { outcomes, pending, unreachable: std::mem::take(&mut q.unreachable), levels })
+}
+
+/// Joins warmed outcomes of one fork that touch (the steps of a range, finished in any order) and
+/// sorts by fork and block: as many outcomes as the plan had ranges, or fewer.
+fn join_steps(mut outcomes: Vec<RangeOutcome>) -> Vec<RangeOutcome> {
+    outcomes.sort_by_key(|o| (o.range.fork, o.range.first));
+    let mut joined: Vec<RangeOutcome> = Vec::with_capacity(outcomes.len());
+    for o in outcomes {
+        if let (Some(last), RangeResult::Warmed { blocks, seconds }) = (joined.last_mut(), &o.result) {
+            if let RangeResult::Warmed { blocks: b, seconds: sec } = &mut last.result {
+                if last.range.fork == o.range.fork && last.range.last + 1 == o.range.first {
+                    last.range.last = o.range.last;
+                    *b += blocks;
+                    *sec += seconds;
+                    continue;
+                }
+            }
+        }
+        joined.push(o);
+    }
+    joined
+}
+
+/// The shortest window the controller measures before a decision; a window also lasts until half
+/// the reading sessions have finished a step (a slow volume's windows are longer), and at most
+/// [`MAX_WINDOW`].
+const WINDOW: Duration = Duration::from_millis(500);
+const MAX_WINDOW: Duration = Duration::from_secs(10);
+
+/// Feeds the controller the bytes read per window and applies its levels, recording each change.
+/// After a change, one window passes unmeasured: sessions just started or stopped make the next
+/// window's throughput a mix of two levels.
+async fn steer(s: Arc<Shared>, mut c: crate::adaptive::Controller) {
+    use crate::adaptive::Level;
+    let started = Instant::now();
+    let workers = s.in_hand.len();
+    let step_bytes = s.plan.bytes(s.opts.step_blocks.max(1));
+    let record = |level: usize, rate: f64| {
+        s.levels.lock().unwrap().push(Level {
+            at_seconds: started.elapsed().as_secs_f64(),
+            sessions: level,
+            mib_per_second: rate / 1048576.0,
+        });
+    };
+    record(s.active.load(Ordering::Relaxed), 0.0);
+    loop {
+        let level = s.active.load(Ordering::Relaxed);
+        let (from, since) = (s.counters.warmed_bytes.load(Ordering::Relaxed), Instant::now());
+        let (bytes, took) = loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let (bytes, took) = (s.counters.warmed_bytes.load(Ordering::Relaxed) - from, since.elapsed());
+            if (took >= WINDOW && bytes >= step_bytes * level as u64 / 2) || took >= MAX_WINDOW {
+                break (bytes, took);
+            }
+        };
+        // Nothing left to share out: the level no longer matters (the tail of the run).
+        if s.queue.lock().unwrap().tasks.len() < level {
+            continue;
+        }
+        let rate = bytes as f64 / took.as_secs_f64();
+        let next = c.observe(rate).min(workers);
+        if next != level {
+            info!(
+                sessions = next,
+                before = level,
+                mib_per_second = format!("{:.1}", rate / 1048576.0),
+                "reading sessions"
+            );
+            s.active.store(next, Ordering::Relaxed);
+            s.counters.sessions.store(next, Ordering::Relaxed);
+            record(next, rate);
+            tokio::time::sleep(WINDOW).await;
+        }
+    }
 }
 
 struct Session {
@@ -334,7 +439,14 @@ impl Shared {
             (f, _) => f,
         };
         if let Some(pos) = pos {
-            let t = q.tasks.remove(pos).unwrap();
+            let mut t = q.tasks.remove(pos).unwrap();
+            // A long range is read a step at a time: the rest stays where it was, for any session.
+            let step = self.opts.step_blocks.max(1);
+            if t.range.blocks() > step {
+                let rest = Task { range: BlockRange { first: t.range.first + step, ..t.range }, ..t.clone() };
+                t.range.last = t.range.first + step - 1;
+                q.tasks.insert(pos, rest);
+            }
             let mut taken = vec![t];
             // More of a batch: only in the database the worker's session is already in.
             if current == Some(self.plan.fork(&taken[0].range).database.as_str()) && self.batchable(&taken[0], now) {
@@ -360,6 +472,12 @@ impl Shared {
         } else {
             Next::Wait
         }
+    }
+
+    /// Nothing queued and nothing in flight.
+    fn finished(&self) -> bool {
+        let q = self.queue.lock().unwrap();
+        q.in_flight == 0 && q.tasks.iter().all(|t| q.unreachable.contains_key(&self.plan.fork(&t.range).database))
     }
 
     /// A whole small fork, ready, never failed: it may be read in a batch.
@@ -424,7 +542,34 @@ impl Shared {
                       reason = ?s.reason, "relation changed during the run");
             }
         }
-        self.outcomes.lock().unwrap().push(RangeOutcome { range, result });
+        let mut outcomes = self.outcomes.lock().unwrap();
+        let mut latest = self.latest_warmed.lock().unwrap();
+        // A range read in steps gets one outcome: each warmed step joins the fork's latest warmed
+        // outcome when they touch (steps may finish out of order), so that reading in steps does not
+        // multiply what a continuation carries.
+        if let RangeResult::Warmed { blocks, seconds } = result {
+            if let Some(&i) = latest.get(&range.fork) {
+                let o = &mut outcomes[i];
+                if let RangeResult::Warmed { blocks: b, seconds: sec } = &mut o.result {
+                    let joined = if o.range.last + 1 == range.first {
+                        o.range.last = range.last;
+                        true
+                    } else if range.last + 1 == o.range.first {
+                        o.range.first = range.first;
+                        true
+                    } else {
+                        false
+                    };
+                    if joined {
+                        *b += blocks;
+                        *sec += seconds;
+                        return;
+                    }
+                }
+            }
+            latest.insert(range.fork, outcomes.len());
+        }
+        outcomes.push(RangeOutcome { range, result });
     }
 
     fn skip(&self, worker: usize, range: BlockRange, reason: SkipReason, detail: String, fix: Option<String>) {
@@ -440,6 +585,15 @@ async fn worker(id: usize, s: Arc<Shared>) {
         if s.deadline_near() {
             debug!(session = id, "deadline near or stop asked: starting no new range");
             break;
+        }
+        if id >= s.active.load(Ordering::Relaxed) {
+            // Not reading at this level: no session held, a connection slot left free.
+            session = None;
+            if s.finished() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
         }
         let mut tasks = match s.next(id, session.as_ref().map(|x| x.database.as_str())) {
             Next::Run(t) => t,
@@ -567,14 +721,7 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, NotO
 }
 
 fn lost_while_opening(spec: &ConnectionSpec, db: &str, f: Failed) -> Error {
-    match f {
-        Failed::Server(e) if !is_connection_error(&e) => Error::query("opening a session", e),
-        other => Error::Connect {
-            target: format!("{} database {db:?}", spec.target()),
-            reason: other.describe(),
-            source: None,
-        },
-    }
+    f.into_error(format!("{} database {db:?}", spec.target()), "opening a session")
 }
 
 /// Makes sure `session` is open on the task's database. Returns false when the task was resolved
@@ -970,4 +1117,38 @@ async fn reexamine(id: usize, s: &Shared, session: &mut Option<Session>, mut tas
         }
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warmed(fork: u32, first: u64, last: u64) -> RangeOutcome {
+        RangeOutcome {
+            range: BlockRange { fork, first, last },
+            result: RangeResult::Warmed { blocks: last - first + 1, seconds: 1.0 },
+        }
+    }
+
+    #[test]
+    fn steps_finished_in_any_order_join_into_one_outcome() {
+        let skipped = RangeOutcome {
+            range: BlockRange { fork: 1, first: 0, last: 9 },
+            result: RangeResult::Skipped(Skip { reason: SkipReason::Dropped, detail: String::new(), fix: None }),
+        };
+        let joined = join_steps(vec![
+            warmed(0, 2048, 3071),
+            skipped.clone(),
+            warmed(0, 0, 1023),
+            warmed(2, 0, 7),
+            warmed(0, 1024, 2047),
+            warmed(0, 4000, 4001), // not touching: stays apart
+        ]);
+        assert_eq!(joined.len(), 4, "{joined:?}");
+        assert_eq!(joined[0].range, BlockRange { fork: 0, first: 0, last: 3071 });
+        assert_eq!(joined[0].result, RangeResult::Warmed { blocks: 3072, seconds: 3.0 });
+        assert_eq!(joined[1].range, BlockRange { fork: 0, first: 4000, last: 4001 });
+        assert_eq!(joined[2], skipped, "a skipped range is never joined");
+        assert_eq!(joined[3], warmed(2, 0, 7));
+    }
 }
