@@ -46,7 +46,7 @@ def main():
     for name in args.volumes.split(","):
         vout = out / f"matrix-{name}"
         cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--majors", args.majors, "--quick",
-               "--only", "pghydrate,recipe", "--sweep", args.sweep, "--recipe-limit", "30", "--out", str(vout), *VOLUMES[name]]
+               "--only", "pghydrate,recipe", "--sweep", args.sweep, "--out", str(vout), *VOLUMES[name]]
         print(f"bench-matrix: {name}: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, check=True)
         res = json.loads((vout / "results.json").read_text())
