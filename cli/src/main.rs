@@ -189,7 +189,7 @@ fn parse_sessions(s: &str) -> Result<SessionsArg, String> {
     }
 }
 
-/// The sessions a state reads with, and whether they adapt: `auto` climbs from 8 up to
+/// The sessions a state reads with, and whether they adapt: `auto` climbs from 16 (adaptive::START) up to
 /// `max_sessions` while throughput grows; a number is fixed. Either way at most half the server's
 /// free connection slots.
 fn sessions_of(arg: SessionsArg, max_sessions: u32, server: &pghydrate::plan::ServerInfo) -> (u32, bool) {
@@ -206,7 +206,7 @@ fn sessions_of(arg: SessionsArg, max_sessions: u32, server: &pghydrate::plan::Se
 
 #[derive(Args)]
 struct WarmArgs {
-    /// Reading sessions: auto (start at 8, add sessions while the throughput they deliver grows, up
+    /// Reading sessions: auto (start at 16, add sessions while the throughput they deliver grows, up
     /// to --max-sessions, and settle where it stops), or a fixed number. Either way at most half the
     /// server's free connection slots.
     #[arg(long, default_value = "auto", value_parser = parse_sessions)]

@@ -767,7 +767,7 @@ async fn lost_sessions_do_not_use_up_the_lock_budget() {
 }
 
 /// `--sessions auto` on a real server: however the controller moves, every block is read exactly
-/// once (outcomes partition the plan), the run records its levels starting at 8, and at no moment do
+/// once (outcomes partition the plan), the run records its levels from the start level, and at no moment do
 /// more sessions read than the ceiling (counted on the server, every 20 ms). Large relations are read
 /// in 8 MiB steps, and their steps' outcomes are joined again: the outcomes are no more than the
 /// planned ranges.
@@ -789,7 +789,7 @@ async fn adaptive_sessions_read_everything_within_their_ceiling() {
     let plan = make_plan(&spec, &PlanOptions { range_blocks: 8192, ..plan_opts(&["app"]) }).await.unwrap();
     let planned_ranges = plan.ranges.len();
     assert!(plan.forks.iter().any(|f| f.blocks > 2 * 1024), "a relation large enough to be read in steps");
-    let mut st = RunState::new(plan, Mode::Buffer, 12, Maintenance::None);
+    let mut st = RunState::new(plan, Mode::Buffer, 24, Maintenance::None);
     st.adaptive = true;
     let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let most = Arc::new(AtomicU32::new(0));
@@ -808,17 +808,18 @@ async fn adaptive_sessions_read_everything_within_their_ceiling() {
             }
         })
     };
-    advance_within(&spec, &mut st, &run_opts(12), Duration::from_secs(300)).await;
+    advance_within(&spec, &mut st, &run_opts(24), Duration::from_secs(300)).await;
     watching.store(false, Ordering::SeqCst);
     watcher.await.unwrap();
     assert_outcomes_partition_plan(&st);
     assert!(st.outcomes.len() <= planned_ranges, "{} outcomes for {planned_ranges} ranges", st.outcomes.len());
-    assert_eq!(st.levels.first().map(|l| l.sessions), Some(8), "{:?}", st.levels);
-    assert!(st.levels.iter().all(|l| l.sessions >= 1 && l.sessions <= 12), "{:?}", st.levels);
+    let start = pghydrate::adaptive::START.min(24);
+    assert_eq!(st.levels.first().map(|l| l.sessions), Some(start), "{:?}", st.levels);
+    assert!(st.levels.iter().all(|l| l.sessions >= 1 && l.sessions <= 24), "{:?}", st.levels);
     let peak = most.load(Ordering::SeqCst);
-    assert!((1..=12).contains(&peak), "{peak} sessions at once");
+    assert!((1..=24).contains(&peak), "{peak} sessions at once");
     let r = report::build(&st);
     assert_eq!((r.coverage, r.status, r.adaptive), (1.0, RunStatus::Complete, true));
-    assert!(r.summary().contains("sessions adapted 8"), "{}", r.summary());
+    assert!(r.summary().contains(&format!("sessions adapted {start}")), "{}", r.summary());
     assert_all_blocks_buffered(&cluster, &r).await;
 }

@@ -79,7 +79,8 @@ impl Aws {
 /// PGHYDRATE_MARGIN_SECONDS (stop this long before the Lambda deadline, default 60),
 /// PGHYDRATE_LOCK_TIMEOUT_SECONDS (default 5), PGHYDRATE_RECONNECT_SECONDS (how long a Warm call
 /// keeps reconnecting to a database it lost before it fails with ConnectionFailed, which the state
-/// machine retries with backoff; default 120).
+/// machine retries with backoff; default 120), PGHYDRATE_STEP_BLOCKS (blocks per statement, default
+/// `pghydrate::warm::DEFAULT_STEP_BLOCKS`).
 #[derive(Debug, Clone)]
 pub struct DbConfig {
     pub tls: TlsMode,
@@ -87,6 +88,7 @@ pub struct DbConfig {
     pub margin: Duration,
     pub lock_timeout: Duration,
     pub reconnect_for: Duration,
+    pub step_blocks: u64,
 }
 
 impl DbConfig {
@@ -114,6 +116,12 @@ impl DbConfig {
             margin: secs("PGHYDRATE_MARGIN_SECONDS", 60)?,
             lock_timeout: secs("PGHYDRATE_LOCK_TIMEOUT_SECONDS", 5)?,
             reconnect_for: secs("PGHYDRATE_RECONNECT_SECONDS", 120)?,
+            step_blocks: match var("PGHYDRATE_STEP_BLOCKS") {
+                None => pghydrate::warm::DEFAULT_STEP_BLOCKS,
+                Some(v) => v.parse::<u64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    Error::InvalidInput(format!("PGHYDRATE_STEP_BLOCKS={v:?} is not a positive number of blocks"))
+                })?,
+            },
         })
     }
 

@@ -38,6 +38,7 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let mut opts = call_options(until, deps.db.margin);
     opts.lock_timeout = deps.db.lock_timeout;
     opts.reconnect_for = deps.db.reconnect_for;
+    opts.step_blocks = deps.db.step_blocks;
     item.advance(&spec, &opts).await?;
     let summary = item.summary();
     tracing::info!(instance = %target.instance, item = item.id, warmed_bytes = summary.warmed_bytes,
