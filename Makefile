@@ -7,7 +7,7 @@ export CARGO_TARGET_DIR ?= $(PGHYDRATE_HOME)/target
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: setup build demo test e2e twin-up twin-down bench bench-matrix bench-plan unit check-infra bench-modes clean-demo
+.PHONY: setup build demo test e2e twin-up twin-down bench bench-matrix bench-workflow bench-plan unit check-infra bench-modes clean-demo
 
 setup:
 	bash scripts/setup.sh
@@ -52,6 +52,12 @@ bench-matrix: setup
 	$(CARGO) build --release --locked -p pghydrate-cli -p pghydrate-lazyvol
 	bash twin/up.sh --venv
 	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench-matrix.py $(BENCH_ARGS)
+
+## The workflow's Lambda cost per TiB: the twin on a lazy volume, one call per session vs the defaults.
+bench-workflow: setup
+	bash twin/up.sh --venv
+	$(CARGO) build --locked --workspace
+	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench-workflow.py $(BENCH_ARGS)
 
 bench-plan: setup
 	$(CARGO) build --release --locked -p pghydrate-cli

@@ -71,6 +71,15 @@ pub struct WorkItem {
     /// Range size for what `locked` adds.
     #[serde(default = "default_range_blocks")]
     pub range_blocks: u64,
+    /// The most sessions one call reads this item with (its controller climbs towards it from
+    /// [`crate::adaptive::START`]); Plan sets it from the instance's free connection slots
+    /// ([`warm_sizing`]). An item without it, from a plan made before it existed, reads with one.
+    #[serde(default = "one_session")]
+    pub sessions: u32,
+}
+
+fn one_session() -> u32 {
+    1
 }
 
 fn default_range_blocks() -> u64 {
@@ -82,6 +91,10 @@ pub struct ItemTotals {
     pub warmed_blocks: u64,
     pub vanished_blocks: u64,
     pub skipped_blocks: u64,
+    /// Seconds the item's successful calls spent, from the request to the answer: what Lambda
+    /// bills for them (a failed call's time is not carried).
+    #[serde(default)]
+    pub call_seconds: f64,
     /// Blocks this item added to the instance's total: relations locked while planning, which the
     /// plan's total leaves out, sized by this item (every fork), or their estimate if still locked.
     #[serde(default)]
@@ -163,12 +176,14 @@ impl WorkItem {
             calls: 0,
             locked: Vec::new(),
             range_blocks: plan.range_blocks,
+            sessions: 1,
         }
     }
 
     /// Warms this item's pending ranges until done or until `deadline` (minus `opts.margin`); records
-    /// the totals and keeps exactly the ranges not yet read.
-    pub async fn advance(&mut self, spec: &ConnectionSpec, opts: &WarmOptions) -> Result<()> {
+    /// the totals and keeps exactly the ranges not yet read. Returns the session levels the call's
+    /// controller chose (empty without `opts.adaptive`).
+    pub async fn advance(&mut self, spec: &ConnectionSpec, opts: &WarmOptions) -> Result<Vec<crate::adaptive::Level>> {
         // An item comes from state that someone may have edited: it is data, and must be consistent.
         crate::plan::check_state(self.block_size, &self.pending, self.forks.len())?;
         if self.locked.iter().any(|&i| i as usize >= self.forks.len()) {
@@ -179,7 +194,7 @@ impl WorkItem {
             self.size_locked_again(spec).await;
         }
         if self.pending.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         // A call that starts inside its margin can never read anything: looping on it would never end.
         if let Some(d) = opts.deadline {
@@ -209,7 +224,7 @@ impl WorkItem {
                 source: None,
             });
         }
-        Ok(())
+        Ok(warmed.levels)
     }
 
     /// One more try at the relations locked while planning: each that can be sized now gets its forks
@@ -374,6 +389,7 @@ pub fn credentials_from_secret(text: &str) -> std::result::Result<(String, Strin
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Defaults {
     pub sessions: u32,
+    pub call_sessions: u32,
     pub mode: String,
     pub maintenance: String,
     pub range_blocks: u64,
@@ -416,11 +432,12 @@ impl Defaults {
             None => crate::events::Credentials::ManagedSecret,
         };
         let d = Defaults {
-            sessions: num(get, "PGHYDRATE_SESSIONS", 8)?,
+            sessions: num(get, "PGHYDRATE_SESSIONS", 64)?,
+            call_sessions: num(get, "PGHYDRATE_CALL_SESSIONS", 64)?,
             mode: text("PGHYDRATE_MODE", "auto"),
             maintenance: text("PGHYDRATE_MAINTENANCE", "analyze"),
             range_blocks: num(get, "PGHYDRATE_RANGE_BLOCKS", crate::plan::DEFAULT_RANGE_BLOCKS)?,
-            item_blocks: num(get, "PGHYDRATE_ITEM_BLOCKS", 262_144)?,
+            item_blocks: num(get, "PGHYDRATE_ITEM_BLOCKS", 1_048_576)?,
             item_ranges: num(get, "PGHYDRATE_ITEM_RANGES", 256)?,
             instance_pattern: text("PGHYDRATE_INSTANCE_PATTERN", "*"),
             required_tag,
@@ -446,6 +463,7 @@ impl Defaults {
         if d.range_blocks == 0
             || d.item_blocks == 0
             || d.item_ranges == 0
+            || d.call_sessions == 0
             || d.ready_poll_seconds == 0
             || d.storage_poll_seconds == 0
         {
@@ -460,7 +478,12 @@ impl Defaults {
 pub struct RunConfig {
     pub execution: String,
     pub trigger: crate::events::Trigger,
+    /// The most sessions for the instance, over all its calls at once.
     pub sessions: u32,
+    /// The most sessions per Warm call. A run started before this existed reads one per call, as
+    /// its state machine expects.
+    #[serde(default = "one_session")]
+    pub call_sessions: u32,
     pub mode: String,
     pub maintenance: String,
     pub range_blocks: u64,
@@ -485,6 +508,7 @@ impl RunConfig {
         RunConfig {
             execution: execution.to_string(),
             sessions: o.sessions.unwrap_or(d.sessions),
+            call_sessions: d.call_sessions,
             mode: o.mode.unwrap_or_else(|| d.mode.clone()),
             maintenance: o.maintenance.unwrap_or_else(|| d.maintenance.clone()),
             range_blocks: d.range_blocks,
@@ -626,6 +650,45 @@ pub struct PlanSummary {
     #[serde(default)]
     pub locked_while_planning: usize,
     pub items: usize,
+    /// Warm calls that run at once for this instance (the warm Map's MaxConcurrency).
+    #[serde(default = "one_call")]
+    pub calls: u32,
+    /// The most sessions each call reads with.
+    #[serde(default = "one_session")]
+    pub sessions_per_call: u32,
+    /// Why fewer sessions than asked for (the server's free connection slots), if so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sessions_note: Option<String>,
+}
+
+fn one_call() -> u32 {
+    1
+}
+
+/// How an instance's warm phase is spread over Lambda calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WarmSizing {
+    /// Calls at once (the Map's MaxConcurrency), at most [`INLINE_ITEMS_LIMIT`].
+    pub calls: u32,
+    /// The most sessions per call.
+    pub sessions_per_call: u32,
+}
+
+/// Spreads at most `sessions` sessions (capped at half the server's free connection slots, as the
+/// CLI does) over calls of at most `call_sessions` each, as few calls as that allows and the
+/// sessions shared evenly (rounded down: never more than asked for): 64 sessions at 32 per call are 2 calls of 32; a server with 41 free
+/// slots gets 20 sessions in one call. A Lambda call waits on the database, not on its CPU, so each
+/// session in a call instead of a call per session divides the billed duration by the sessions per
+/// call. Returns the warning when the server's slots capped the count.
+pub fn warm_sizing(
+    sessions: u32,
+    call_sessions: u32,
+    server: &crate::plan::ServerInfo,
+) -> (WarmSizing, Option<String>) {
+    let (total, note) = crate::run::effective_sessions(sessions.max(1), server);
+    let per_call = call_sessions.clamp(1, total);
+    let calls = total.div_ceil(per_call).min(INLINE_ITEMS_LIMIT as u32);
+    (WarmSizing { calls, sessions_per_call: (total / calls).min(per_call) }, note)
 }
 
 /// Plans for the workflow: the items and their summary.
@@ -643,8 +706,10 @@ pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanS
         "prefetch" => Mode::Prefetch,
         _ => Mode::Read,
     };
+    let (sizing, sessions_note) = warm_sizing(run.sessions, run.call_sessions, &plan.server);
     for item in &mut items {
         item.mode = mode;
+        item.sessions = sizing.sessions_per_call;
     }
     let summary = PlanSummary {
         server_version: plan.server.version.split(" on ").next().unwrap_or("").to_string(),
@@ -673,6 +738,9 @@ pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanS
         planned_skip_bytes: skipped.iter().map(|f| f.blocks * bs).sum(),
         locked_while_planning: plan.forks.iter().filter(|f| locked_while_planning(f)).count(),
         items: items.len(),
+        calls: sizing.calls,
+        sessions_per_call: sizing.sessions_per_call,
+        sessions_note,
     };
     Ok((summary, items))
 }
@@ -690,6 +758,12 @@ pub struct ItemSummary {
     #[serde(default)]
     pub added_bytes: u64,
     pub calls: u32,
+    /// Seconds the item's calls took (see [`ItemTotals::call_seconds`]).
+    #[serde(default)]
+    pub call_seconds: f64,
+    /// The most sessions a call read this item with.
+    #[serde(default = "one_session")]
+    pub sessions: u32,
     /// The first ITEM_LISTED_SKIPS forks skipped, with why (each cut to 200 characters).
     pub skipped: Vec<String>,
     /// How many forks of the item were skipped.
@@ -709,6 +783,8 @@ impl WorkItem {
             pending_bytes: self.pending.iter().map(BlockRange::blocks).sum::<u64>() * bs,
             added_bytes: self.done.added_blocks * bs,
             calls: self.calls,
+            call_seconds: (self.done.call_seconds * 1000.0).round() / 1000.0,
+            sessions: self.sessions,
             skipped: self
                 .skipped
                 .iter()
@@ -724,9 +800,16 @@ impl WorkItem {
     }
 }
 
-/// Warm options for one Lambda call that must return before `deadline`.
-pub fn call_options(deadline: Instant, margin: Duration) -> WarmOptions {
-    WarmOptions { sessions: 1, deadline: Some(deadline), margin, ..WarmOptions::default() }
+/// Warm options for one Lambda call that must return before `deadline`, reading with up to
+/// `sessions` sessions (adaptive: the controller climbs while throughput grows).
+pub fn call_options(deadline: Instant, margin: Duration, sessions: u32) -> WarmOptions {
+    WarmOptions {
+        sessions: sessions.max(1),
+        adaptive: sessions > 1,
+        deadline: Some(deadline),
+        margin,
+        ..WarmOptions::default()
+    }
 }
 
 #[cfg(test)]
@@ -742,6 +825,48 @@ mod tests {
             storage_progress: progress,
             ..InstanceView::default()
         }
+    }
+
+    #[test]
+    fn warm_calls_share_the_sessions_the_server_can_spare() {
+        let server = |max: u32| ServerInfo { max_connections: max, ..ServerInfo::example() };
+        let sizing = |sessions, per_call, max| warm_sizing(sessions, per_call, &server(max));
+        // The defaults on a server with room: 64 sessions as 2 calls of 32.
+        assert_eq!(sizing(64, 32, 5000).0, WarmSizing { calls: 2, sessions_per_call: 32 });
+        // Shared evenly: 40 sessions at 32 a call are 2 calls of 20, not 32 + 8.
+        assert_eq!(sizing(40, 32, 5000).0, WarmSizing { calls: 2, sessions_per_call: 20 });
+        // One session per call: as many calls as sessions (how the workflow ran before).
+        assert_eq!(sizing(8, 1, 5000).0, WarmSizing { calls: 8, sessions_per_call: 1 });
+        // A small server: (45 - 3 reserved - 1 in use) / 2 = 20 sessions, one call, and a note why.
+        let (s, note) = sizing(64, 32, 45);
+        assert_eq!(s, WarmSizing { calls: 1, sessions_per_call: 20 });
+        assert!(note.unwrap().contains("41 free connection slots"));
+        // A full server still gets one session; never more calls than an inline Map runs at once.
+        assert_eq!(sizing(64, 32, 4).0, WarmSizing { calls: 1, sessions_per_call: 1 });
+        assert_eq!(sizing(64, 1, 5000).0.calls, INLINE_ITEMS_LIMIT as u32);
+        for (sessions, per_call, max) in [(1, 1, 100), (7, 3, 100), (64, 5, 60), (33, 64, 1000), (9, 2, 12)] {
+            let (s, _) = sizing(sessions, per_call, max);
+            let (allowed, _) = crate::run::effective_sessions(sessions, &server(max));
+            assert!(s.calls * s.sessions_per_call <= allowed, "{sessions} {per_call} {max}: {s:?}");
+            assert!(s.sessions_per_call <= per_call.max(1), "{sessions} {per_call} {max}: {s:?}");
+        }
+    }
+
+    #[test]
+    fn a_run_or_item_from_before_call_sessions_reads_one_session_per_call() {
+        let d = Defaults::from_env(|_| None).unwrap();
+        assert_eq!((d.sessions, d.call_sessions), (64, 64));
+        let trigger = crate::events::parse_input(&serde_json::json!({"instance": "db1"}), None, None).unwrap();
+        let mut run = serde_json::to_value(RunConfig::new("e", trigger, &d)).unwrap();
+        run.as_object_mut().unwrap().remove("call_sessions");
+        let old: RunConfig = serde_json::from_value(run).unwrap();
+        assert_eq!(old.call_sessions, 1);
+        let item = serde_json::json!({"id": 0, "database": "app", "mode": "read", "block_size": 8192, "forks": [],
+                                      "pending": [], "done": {"warmed_blocks": 0, "vanished_blocks": 0, "skipped_blocks": 0},
+                                      "calls": 0});
+        let old: WorkItem = serde_json::from_value(item).unwrap();
+        assert_eq!((old.sessions, old.done.call_seconds), (1, 0.0));
+        assert!(Defaults::from_env(|k| (k == "PGHYDRATE_CALL_SESSIONS").then(|| "0".into())).is_err());
     }
 
     #[test]
@@ -861,7 +986,7 @@ mod tests {
         let item = work_items(&plan, 1 << 20, 64).unwrap().remove(0);
         // Nothing listens there: reaching the network would fail differently.
         let spec = ConnectionSpec::parse(Some("postgresql://u@127.0.0.1:1/db?sslmode=disable"), |_| None).unwrap();
-        let opts = call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(1));
+        let opts = call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(1), 1);
         let edits: [fn(&mut WorkItem); 3] =
             [|i| i.pending[0].fork = 99, |i| (i.pending[0].first, i.pending[0].last) = (5, 1), |i| i.block_size = 0];
         for edit in edits {

@@ -644,7 +644,9 @@ async fn workflow_items_continue_until_done(major: u32) {
         assert!(text.len() <= ITEM_LIMIT_BYTES, "item of {} bytes", text.len());
         loop {
             let mut item: WorkItem = serde_json::from_str(&text).unwrap();
-            let mut opts = call_options(Instant::now() + Duration::from_secs(3), Duration::from_secs(1));
+            // As the Warm function: several sessions per call, as the plan sized them.
+            assert!(item.sessions > 1 && item.sessions == summary.sessions_per_call, "{}", item.sessions);
+            let mut opts = call_options(Instant::now() + Duration::from_secs(3), Duration::from_secs(1), item.sessions);
             opts.lock_timeout = Duration::from_secs(60);
             item.advance(&spec, &opts).await.unwrap();
             text = serde_json::to_string(&item).unwrap();

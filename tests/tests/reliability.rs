@@ -505,7 +505,7 @@ async fn a_retried_item_that_had_half_finished_counts_every_byte_once() {
         if n == 0 {
             // The failed call: it warms what it can before customers' lock holds it to its deadline.
             let mut lost: WorkItem = serde_json::from_str(&original).unwrap();
-            let mut opts = call_options(Instant::now() + Duration::from_secs(3), Duration::from_secs(1));
+            let mut opts = call_options(Instant::now() + Duration::from_secs(3), Duration::from_secs(1), 1);
             opts.lock_timeout = Duration::from_secs(60);
             lost.advance(&spec, &opts).await.unwrap();
             let s = lost.summary();
@@ -517,7 +517,7 @@ async fn a_retried_item_that_had_half_finished_counts_every_byte_once() {
         let mut text = original;
         loop {
             let mut item: WorkItem = serde_json::from_str(&text).unwrap();
-            item.advance(&spec, &call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(1)))
+            item.advance(&spec, &call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(1), 1))
                 .await
                 .unwrap();
             text = serde_json::to_string(&item).unwrap();

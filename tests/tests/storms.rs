@@ -571,7 +571,7 @@ async fn a_warm_call_whose_database_stays_unreachable_fails_retryably() {
     let (_, items) = plan_items(&spec, &RunConfig::new("exec-down", trigger, &defaults)).await.unwrap();
     cluster.stop("fast");
     let mut item = items[0].clone();
-    let mut opts = call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(5));
+    let mut opts = call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(5), 1);
     opts.reconnect_for = Duration::from_secs(2);
     let e = item.advance(&spec, &opts).await.unwrap_err();
     assert_eq!(e.name(), "ConnectionFailed", "{e}");
@@ -637,7 +637,7 @@ async fn a_migration_locking_many_tables_neither_stalls_the_workflows_plan_nor_l
         let mut text = serde_json::to_string(&item).unwrap();
         loop {
             let mut item: WorkItem = serde_json::from_str(&text).unwrap();
-            let opts = call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(5));
+            let opts = call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(5), 1);
             item.advance(&spec, &opts).await.unwrap();
             text = serde_json::to_string(&item).unwrap();
             if item.done() {

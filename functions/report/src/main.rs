@@ -44,8 +44,26 @@ struct InstanceReport {
     skipped_count: usize,
     maintenance: Value,
     storage: Value,
+    /// The warm phase's Lambda calls: how many, how long in all (what Lambda bills), and how they
+    /// were sized.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    warm: Option<WarmCalls>,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<Value>,
+}
+
+#[derive(Serialize, Deserialize, Debug, PartialEq)]
+struct WarmCalls {
+    /// Successful Warm calls over every item.
+    calls: u32,
+    /// Their durations added up, seconds.
+    call_seconds: f64,
+    /// Calls at once (the Map's MaxConcurrency) and the most sessions per call.
+    calls_at_once: u32,
+    sessions_per_call: u32,
+    /// Why fewer sessions than asked for, if so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    note: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Debug, PartialEq)]
@@ -145,6 +163,7 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
             skipped_count: 0,
             maintenance: Value::Null,
             storage: Value::Null,
+            warm: None,
             error: Some(v["error"].clone()),
         });
     }
@@ -182,6 +201,13 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
         skipped_count,
         maintenance: v["maintained"]["summary"].clone(),
         storage: v["storage"].clone(),
+        warm: plan.as_ref().map(|p| WarmCalls {
+            calls: items.iter().map(|i| i.calls).sum(),
+            call_seconds: (items.iter().map(|i| i.call_seconds).sum::<f64>() * 10.0).round() / 10.0,
+            calls_at_once: p.calls,
+            sessions_per_call: p.sessions_per_call,
+            note: p.sessions_note.clone(),
+        }),
         error: None,
     })
 }
@@ -280,6 +306,7 @@ mod tests {
             skipped_count: 0,
             maintenance: Value::Null,
             storage: Value::Null,
+            warm: None,
             error: None,
         }
     }

@@ -27,6 +27,7 @@ struct Deps {
 }
 
 async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, Failure> {
+    let started = std::time::Instant::now();
     let until = deadline(&event.context);
     tracing::debug!(
         deadline_ms = event.context.deadline,
@@ -35,14 +36,18 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     );
     let Request { target, run, endpoint, mut item } = event.payload;
     let spec = deps.db.connect_spec(&deps.aws, &run, &endpoint).await?;
-    let mut opts = call_options(until, deps.db.margin);
+    let mut opts = call_options(until, deps.db.margin, item.sessions);
     opts.lock_timeout = deps.db.lock_timeout;
     opts.reconnect_for = deps.db.reconnect_for;
     opts.step_blocks = deps.db.step_blocks;
-    item.advance(&spec, &opts).await?;
+    let warmed = item.advance(&spec, &opts).await?;
+    item.done.call_seconds += started.elapsed().as_secs_f64();
     let summary = item.summary();
     tracing::info!(instance = %target.instance, item = item.id, warmed_bytes = summary.warmed_bytes,
-                   pending_bytes = summary.pending_bytes, calls = item.calls, "warm call");
+                   pending_bytes = summary.pending_bytes, calls = item.calls,
+                   call_seconds = format!("{:.1}", started.elapsed().as_secs_f64()),
+                   sessions = %warmed.iter().map(|l| l.sessions.to_string()).collect::<Vec<_>>().join("->"),
+                   "warm call");
     Ok(Response { done: item.done(), summary, item })
 }
 
