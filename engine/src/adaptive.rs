@@ -57,8 +57,14 @@ pub struct Controller {
 
 impl Controller {
     pub fn new(ceiling: usize) -> Controller {
+        Controller::starting_at(ceiling, START)
+    }
+
+    /// A controller that starts at `start` sessions (within 1..=ceiling) instead of [`START`]: a call
+    /// that goes on where an earlier one left off starts at the level it found.
+    pub fn starting_at(ceiling: usize, start: usize) -> Controller {
         let ceiling = ceiling.max(1);
-        let level = START.min(ceiling);
+        let level = start.clamp(1, ceiling);
         Controller { ceiling, level, best_level: level, best_rate: 0.0, phase: Phase::Climb }
     }
 
@@ -130,6 +136,16 @@ mod tests {
             let first = levels.iter().position(|&l| l == held).unwrap();
             assert!(first <= 5, "depth {depth}: {levels:?}");
         }
+    }
+
+    #[test]
+    fn a_controller_started_low_climbs_and_one_started_high_stays_within_the_ceiling() {
+        let mut c = Controller::starting_at(64, 1);
+        assert_eq!(c.level(), 1);
+        let levels = settle(&mut c, &volume(32, 10e6), 40);
+        assert!(*levels.last().unwrap() >= 32, "{levels:?}");
+        assert_eq!(Controller::starting_at(8, 64).level(), 8);
+        assert_eq!(Controller::starting_at(8, 0).level(), 1);
     }
 
     #[test]

@@ -75,6 +75,8 @@ pub struct WarmOptions {
     /// Adapt how many sessions read at once to the throughput they deliver ([`crate::adaptive`]),
     /// between 1 and `sessions`; otherwise exactly `sessions` read.
     pub adaptive: bool,
+    /// With `adaptive`: the level to start at (None: [`crate::adaptive::START`]).
+    pub start_sessions: Option<u32>,
     /// A planned range longer than this is read in statements of this many blocks, each taken from
     /// the queue on its own: any session may read the next step of a large relation (parallelism
     /// within it), and throughput is seen every few seconds, not once per range.
@@ -111,6 +113,7 @@ impl Default for WarmOptions {
             reconnect_for: Duration::from_secs(120),
             stop: None,
             adaptive: false,
+            start_sessions: None,
             step_blocks: DEFAULT_STEP_BLOCKS,
             before_range: None,
         }
@@ -254,7 +257,10 @@ pub async fn warm(
     let total: u64 = ranges.iter().map(|r| plan.bytes(r.blocks())).sum();
     counters.planned_bytes.fetch_add(total, Ordering::Relaxed);
     let workers = (opts.sessions as usize).min(ranges.len()).max(1);
-    let controller = opts.adaptive.then(|| crate::adaptive::Controller::new(opts.sessions as usize));
+    let controller = opts.adaptive.then(|| match opts.start_sessions {
+        Some(start) => crate::adaptive::Controller::starting_at(opts.sessions as usize, start as usize),
+        None => crate::adaptive::Controller::new(opts.sessions as usize),
+    });
     let active = controller.as_ref().map_or(workers, |c| c.level().min(workers));
     counters.sessions.store(active, Ordering::Relaxed);
     let shared = Arc::new(Shared {
@@ -345,6 +351,14 @@ async fn steer(s: Arc<Shared>, mut c: crate::adaptive::Controller) {
         });
     };
     record(s.active.load(Ordering::Relaxed), 0.0);
+    // The first window starts once bytes arrive, and after one settling window: sessions opening (TLS,
+    // authentication, cold catalogs) would make the start level look slower than it is, and the next
+    // level better than it is.
+    let opened = Instant::now();
+    while s.counters.warmed_bytes.load(Ordering::Relaxed) == 0 && opened.elapsed() < MAX_WINDOW {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(WINDOW).await;
     loop {
         let level = s.active.load(Ordering::Relaxed);
         let (from, since) = (s.counters.warmed_bytes.load(Ordering::Relaxed), Instant::now());

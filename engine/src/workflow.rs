@@ -76,10 +76,25 @@ pub struct WorkItem {
     /// ([`warm_sizing`]). An item without it, from a plan made before it existed, reads with one.
     #[serde(default = "one_session")]
     pub sessions: u32,
+    /// Where the next call's controller starts: the level the last call ended at, or half its start
+    /// when it read nothing (on a starved server, opening many sessions can take a whole call; each
+    /// call without progress halves them, down to one). None: [`crate::adaptive::START`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_sessions: Option<u32>,
 }
 
 fn one_session() -> u32 {
     1
+}
+
+/// The next call's start level from this call's levels (the first is where it started).
+fn next_start(levels: &[crate::adaptive::Level], progress: bool, finished: bool) -> Option<u32> {
+    let (first, last) = (levels.first()?.sessions as u32, levels.last()?.sessions as u32);
+    match (progress, finished) {
+        (_, true) => None,
+        (true, false) => Some(last),
+        (false, false) => Some((first / 2).max(1)),
+    }
 }
 
 fn default_range_blocks() -> u64 {
@@ -177,6 +192,7 @@ impl WorkItem {
             locked: Vec::new(),
             range_blocks: plan.range_blocks,
             sessions: 1,
+            start_sessions: None,
         }
     }
 
@@ -209,10 +225,18 @@ impl WorkItem {
         }
         let plan = Arc::new(self.as_plan());
         let ranges = std::mem::take(&mut self.pending);
-        let opts = WarmOptions { mode: self.mode, ..opts.clone() };
+        let opts = WarmOptions {
+            mode: self.mode,
+            start_sessions: self.start_sessions.or(opts.start_sessions),
+            ..opts.clone()
+        };
         let warmed = warm::warm(spec, plan, ranges, &opts, Arc::new(Counters::default())).await?;
+        let before = self.done.clone();
         self.absorb(&warmed.outcomes);
         self.pending = warmed.pending;
+        if opts.adaptive {
+            self.start_sessions = next_start(&warmed.levels, self.done != before, self.pending.is_empty());
+        }
         // The item's database could not be reached for the whole reconnect window: the call fails as
         // ConnectionFailed, which the state machine retries with backoff (a failover or a reboot). The
         // ranges this call did read are read again by the retry, from the item as it came in: cheap,
@@ -850,6 +874,16 @@ mod tests {
             assert!(s.calls * s.sessions_per_call <= allowed, "{sessions} {per_call} {max}: {s:?}");
             assert!(s.sessions_per_call <= per_call.max(1), "{sessions} {per_call} {max}: {s:?}");
         }
+    }
+
+    #[test]
+    fn the_next_call_starts_where_this_one_ended_or_lower_without_progress() {
+        let level = |sessions| crate::adaptive::Level { at_seconds: 0.0, sessions, mib_per_second: 0.0 };
+        assert_eq!(next_start(&[level(16), level(32), level(64)], true, false), Some(64));
+        assert_eq!(next_start(&[level(16)], false, false), Some(8));
+        assert_eq!(next_start(&[level(1)], false, false), Some(1));
+        assert_eq!(next_start(&[level(16), level(32)], true, true), None);
+        assert_eq!(next_start(&[], false, false), None);
     }
 
     #[test]
