@@ -1,13 +1,15 @@
 """The twin is as strict as AWS documents Step Functions and Lambda to be: each rule that moto_ext adds
 (see its docstring) is shown failing a small state machine, or a direct Lambda call, that breaks it."""
 import json
+import time
+from pathlib import Path
 
 import boto3
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from twin import ACCOUNT, LIST_LAG, Twin
+from twin import ACCOUNT, LIST_LAG, Twin, function_memory_mb
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,27 @@ def test_a_lambda_request_over_6_mb_is_refused(twin):
     with pytest.raises(ClientError) as e:
         lam.invoke(FunctionName="describe", Payload=json.dumps({"pad": "x" * (6 * 1024 * 1024)}).encode())
     assert e.value.response["Error"]["Code"] == "RequestEntityTooLargeException"
+
+
+def test_a_function_process_gets_its_template_memory_and_no_more(twin):
+    """Each process the emulator runs a function in is held to the MemorySize infra/template.yaml gives
+    that function (Lambda kills an invoke past it), by a memory cgroup of its own."""
+    lam = boto3.client("lambda", region_name="us-east-1", endpoint_url=f"http://127.0.0.1:{twin.shim_port}",
+                       aws_access_key_id="x", aws_secret_access_key="x")
+    lam.invoke(FunctionName="describe", Payload=json.dumps(
+        {"phase": "ready", "instance": "nobody", "started": "2026-01-01T00:00:00Z", "limit_minutes": 1}).encode())
+    want = function_memory_mb()
+    assert want["describe"] == 256 and want["plan"] == 1024, want
+    deadline = time.time() + 5
+    while time.time() < deadline and not twin.sandboxes.placed.get("describe"):
+        time.sleep(0.05)
+    placed = {pid: groups for pid, groups in twin.sandboxes.groups.items()
+              if Path(f"/proc/{pid}/comm").exists() and Path(f"/proc/{pid}/comm").read_text().strip() == "describe"}
+    assert placed, f"no describe process in a sandbox: {twin.sandboxes.groups}"
+    for pid, groups in placed.items():
+        mem = next(g for g in groups if "/memory/" in str(g))
+        assert int((mem / "memory.limit_in_bytes").read_text()) == 256 * 2**20
+        assert f":memory:/{mem.name}" in Path(f"/proc/{pid}/cgroup").read_text()
 
 
 def test_list_executions_lags_behind_start_execution(twin):

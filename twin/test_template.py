@@ -3,9 +3,8 @@ in a resource is one of the listed exceptions, each with the reason it cannot be
 import re
 from pathlib import Path
 
-import yaml
+from twin import load_template
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "infra" / "template.yaml"
 
 # Resource wildcards that are required, with the reason. Matched against the end of the resource ARN.
 RESOURCE_EXCEPTIONS = {
@@ -26,24 +25,9 @@ STAR_RESOURCE_ACTIONS = {
 }
 
 
-class CfnLoader(yaml.SafeLoader):
-    pass
-
-
-def _tag(loader, suffix, node):
-    if isinstance(node, yaml.ScalarNode):
-        return loader.construct_scalar(node)
-    if isinstance(node, yaml.SequenceNode):
-        return {f"Fn::{suffix}": loader.construct_sequence(node, deep=True)}
-    return loader.construct_mapping(node, deep=True)
-
-
-CfnLoader.add_multi_constructor("!", _tag)
-
-
 def statements():
     """(resource name, statement) for every IAM statement of every resource."""
-    template = yaml.load(TEMPLATE.read_text(), Loader=CfnLoader)
+    template = load_template()
     for name, res in template["Resources"].items():
         props = res.get("Properties", {})
         policies = list(props.get("Policies") or [])

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import boto3
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 HOME = Path(os.environ.get("PGHYDRATE_HOME", "/var/tmp/pghydrate"))
@@ -33,6 +35,137 @@ REGION = "us-east-1"
 ACCOUNT = "123456789012"
 PASSWORD = "Tw1n-S3cret-pw"
 FUNCTIONS = ["resolve", "describe", "plan", "warm", "maintain", "report"]
+TEMPLATE = ROOT / "infra" / "template.yaml"
+# Lambda gives a function CPU in proportion to its memory: 1,769 MB is one vCPU (AWS Lambda developer
+# guide, "Configuring Lambda function memory").
+LAMBDA_MB_PER_VCPU = 1769
+
+
+class CfnLoader(yaml.SafeLoader):
+    """Loads a CloudFormation template: intrinsic functions (!Ref, !Sub, ...) become plain values."""
+
+
+def _cfn_tag(loader, suffix, node):
+    if isinstance(node, yaml.ScalarNode):
+        return loader.construct_scalar(node)
+    if isinstance(node, yaml.SequenceNode):
+        return {f"Fn::{suffix}": loader.construct_sequence(node, deep=True)}
+    return loader.construct_mapping(node, deep=True)
+
+
+CfnLoader.add_multi_constructor("!", _cfn_tag)
+
+
+def load_template() -> dict:
+    return yaml.load(TEMPLATE.read_text(), Loader=CfnLoader)
+
+
+def function_memory_mb() -> dict:
+    """Each function's MemorySize (MB) as infra/template.yaml deploys it (its own, or the Globals')."""
+    template = load_template()
+    default = int(template["Globals"]["Function"]["MemorySize"])
+    out = {}
+    for res in template["Resources"].values():
+        binary = (res.get("Metadata") or {}).get("BuildProperties", {}).get("Binary")
+        if res.get("Type") == "AWS::Serverless::Function" and binary:
+            out[binary] = int(res["Properties"].get("MemorySize", default))
+    missing = set(FUNCTIONS) - set(out)
+    assert not missing, f"functions without a template resource: {missing}"
+    return out
+
+
+class Sandboxes(threading.Thread):
+    """What Lambda's sandbox gives each function process that the emulator starts (cgroup v1, root):
+    at most its MemorySize of memory (past it the kernel kills the process, as Lambda ends the invoke
+    with Runtime.OutOfMemory), and with `cpu`, CPU in proportion to memory (256 MB: 14.5% of one
+    vCPU), each process in a cgroup of its own, as each sandbox has its own share.
+
+    Processes are found by name among the descendants of `root` (the emulator), every 50 ms: a process
+    runs its first ~50 ms unconstrained. The CPU share is off unless asked for: the twin's functions are
+    debug builds, many times slower than the release builds Lambda runs, so throttling them too would
+    measure neither (scripts/bench-workflow.py runs release builds with it)."""
+
+    def __init__(self, root: int, memory_mb: dict, cpu: bool, tag: str):
+        super().__init__(daemon=True)
+        self.root, self.memory_mb, self.cpu, self.tag = root, memory_mb, cpu, tag
+        self.groups: dict[int, list[Path]] = {}
+        self.placed: dict[str, int] = {}
+        self.halt = threading.Event()
+
+    def run(self):
+        while not self.halt.wait(0.05):
+            try:
+                self._place_new()
+            except OSError:
+                pass  # a process that ended while being looked at
+            self._release(gone_only=True)
+
+    def _descendants(self) -> dict:
+        parent, name = {}, {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    stat = (d / "stat").read_text()
+                    parent[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+                    name[int(d.name)] = stat[stat.index("(") + 1:stat.rindex(")")]
+                except (OSError, ValueError):
+                    pass
+        out = {}
+        for pid, comm in name.items():
+            p, seen = pid, 0
+            while p in parent and p != self.root and seen < 64:
+                p, seen = parent[p], seen + 1
+            if p == self.root and comm in self.memory_mb:
+                out[pid] = comm
+        return out
+
+    def _place_new(self):
+        for pid, fn in self._descendants().items():
+            if pid in self.groups:
+                continue
+            mb = self.memory_mb[fn]
+            groups = []
+            mem = Path(f"/sys/fs/cgroup/memory/pghydrate-twin-lambda-{self.tag}-{pid}")
+            mem.mkdir(exist_ok=True)
+            (mem / "memory.limit_in_bytes").write_text(str(mb * 2**20))
+            groups.append(mem)
+            if self.cpu:
+                cpu = Path(f"/sys/fs/cgroup/cpu/pghydrate-twin-lambda-{self.tag}-{pid}")
+                cpu.mkdir(exist_ok=True)
+                (cpu / "cpu.cfs_period_us").write_text("100000")
+                (cpu / "cpu.cfs_quota_us").write_text(str(int(100000 * mb / LAMBDA_MB_PER_VCPU)))
+                groups.append(cpu)
+            self.groups[pid] = groups
+            for g in groups:
+                (g / "cgroup.procs").write_text(str(pid))
+            self.placed[fn] = self.placed.get(fn, 0) + 1
+
+    def _release(self, gone_only: bool):
+        for pid in list(self.groups):
+            if gone_only and Path(f"/proc/{pid}").exists():
+                continue
+            left = []
+            for g in self.groups[pid]:
+                try:
+                    g.rmdir()
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    left.append(g)  # its process has not quite exited yet
+            if left:
+                self.groups[pid] = left
+            else:
+                del self.groups[pid]
+
+    def stop(self):
+        self.halt.set()
+        self.join(timeout=5)
+        for _ in range(100):
+            self._release(gone_only=False)
+            if not self.groups:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"Lambda sandbox cgroups still in use: {self.groups}")
 
 
 def free_port() -> int:
@@ -246,13 +379,22 @@ class Twin:
         # Concurrent invokes of one function run side by side, each in a process of its own, as in
         # Lambda's sandboxes (cargo lambda watch's default, 1, queued them: a Map of 8 concurrent
         # Warm calls ran one after the other, and measured 8 times the wall time).
+        # PGHYDRATE_TWIN_RELEASE=1: release builds, as Lambda runs them (the tests use debug builds,
+        # quicker to make); PGHYDRATE_TWIN_LAMBDA_CPU=1: each process gets its function's CPU share.
         args = ["cargo", "lambda", "watch", "-A", "127.0.0.1", "-P", str(self.watch_port), "--ignore-changes",
                 "--timeout", "900", "--concurrency", "64"]
+        if os.environ.get("PGHYDRATE_TWIN_RELEASE") == "1":
+            args.append("--release")
         for k, v in self.function_env(lambda_timeout, margin).items():
             args += ["--env-var", f"{k}={v}"]
         env = dict(os.environ)
         env["PATH"] = f"{HOME / 'twinvenv' / 'bin'}:{env['PATH']}"
-        self._spawn("watch", args, env=env, cwd=ROOT)
+        watch = self._spawn("watch", args, env=env, cwd=ROOT)
+        self.sandboxes = None
+        if os.geteuid() == 0:
+            self.sandboxes = Sandboxes(watch.pid, function_memory_mb(),
+                                       cpu=os.environ.get("PGHYDRATE_TWIN_LAMBDA_CPU") == "1", tag=str(self.watch_port))
+            self.sandboxes.start()
         wait_http(f"http://127.0.0.1:{self.watch_port}/", 120)
 
     def stop(self):
@@ -266,6 +408,8 @@ class Twin:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, 9)
+        if getattr(self, "sandboxes", None):
+            self.sandboxes.stop()
         self.pg.stop("immediate")
         self.pg.release_cgroup()
 
@@ -312,13 +456,7 @@ class Twin:
     def create_rules_from_template(self) -> list:
         """Creates the EventBridge rules that infra/template.yaml attaches to the state machine (its
         EventBridgeRule events, patterns as written there), each targeting the twin's state machine."""
-        import yaml
-
-        class CfnLoader(yaml.SafeLoader):
-            pass
-
-        CfnLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
-        template = yaml.load((ROOT / "infra" / "template.yaml").read_text(), Loader=CfnLoader)
+        template = load_template()
         events = self.client("events")
         names = []
         for res in template["Resources"].values():
