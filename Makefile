@@ -53,10 +53,9 @@ bench-matrix: setup
 	bash twin/up.sh --venv
 	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench-matrix.py $(BENCH_ARGS)
 
-## The workflow's Lambda cost per TiB: the twin on a lazy volume, one call per session vs the defaults.
+## The workflow's Lambda cost per TiB: the twin on a lazy volume (release builds, Lambda's CPU share), one call per session vs the defaults.
 bench-workflow: setup
 	bash twin/up.sh --venv
-	$(CARGO) build --locked --workspace
 	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench-workflow.py $(BENCH_ARGS)
 
 bench-plan: setup

@@ -15,12 +15,16 @@ calls at once of at most 32 sessions each.
 Cost per TiB = billed GB-seconds per byte x 2^40 x the price, plus requests (the state transitions, a
 run's fixed cost, are counted, not scaled); it scales
 with the calls' throughput, which on AWS is the instance's volume, not this simulator. Needs root.
-    python3 scripts/bench-workflow.py [--scale MB] [--latency 50ms] [--concurrency 8] [--runs 2] [--only before,after,2x32]
+Functions run as Lambda runs them: release builds, each process held to its template MemorySize and
+that memory's CPU share (256 MB: 14.5% of one vCPU), see twin.Sandboxes; `--build debug` runs the
+twin as the tests do (debug builds, memory limit only).
+    python3 scripts/bench-workflow.py [--scale MB] [--latency 50ms] [--concurrency 8] [--runs 2] [--only before,after,2x32] [--build debug]
 """
 import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,9 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "twin"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from lazyvol import Volume  # noqa: E402
-from twin import HOME, RUN_AS, Twin  # noqa: E402
+from twin import FUNCTIONS, HOME, RUN_AS, Twin  # noqa: E402
 
-LAZYVOL = Path(os.environ.get("CARGO_TARGET_DIR", HOME / "target")) / "debug" / "pghydrate-lazyvol"
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", HOME / "target"))
 GB_SECOND = {"arm64": 0.0000133334, "x86_64": 0.0000166667}
 REQUEST = 0.20 / 1e6
 MEMORY_GB = 0.25
@@ -107,7 +111,7 @@ def peak_overlap(spans) -> int:
 def measure(config: str, env: dict, args) -> list:
     voldir = Path(tempfile.mkdtemp(prefix="bench-workflow-", dir=HOME))
     shutil.chown(voldir, RUN_AS)
-    vol = Volume(voldir, LAZYVOL)
+    vol = Volume(voldir, TARGET / args.build / "pghydrate-lazyvol")
     params = dict(latency=args.latency, concurrency=args.concurrency, throughput_mib=args.throughput_mib)
     rows = []
     try:
@@ -150,6 +154,7 @@ def measure(config: str, env: dict, args) -> list:
                     "peak_calls_at_once": peak_overlap(spans),
                     "state_seconds": state_seconds(history),
                     "warm_peak_rss_mib": round(warm_rss_kib() / 1024, 1), "volume": vol.params,
+                    "build": args.build, "lambda_cpu_share": args.build == "release",
                 }
                 tib = 2**40 / max(inst["warmed_bytes"], 1)
                 row["gb_seconds_per_tib"] = round(warm["call_seconds"] * MEMORY_GB * tib)
@@ -186,10 +191,21 @@ def main():
     ap.add_argument("--throughput-mib", type=float, default=0.0)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--only", default="before,after")
+    ap.add_argument("--build", choices=["release", "debug"], default="release",
+                    help="release (default): as Lambda runs the functions, with their CPU share; debug: as the tests do")
     ap.add_argument("--out", default=str(ROOT / "bench" / "workflow.json"))
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench-workflow: needs root (the lazy volume mounts with FUSE; servers run as the pghydrate user)")
+    if args.build == "release":
+        # As Lambda runs them: release builds, each process with its function's CPU share (MemorySize /
+        # 1,769 MB of one vCPU) as well as its memory (twin.Sandboxes). Debug builds are many times
+        # slower, so they run without the CPU share (--build debug: the twin as the tests run it).
+        os.environ["PGHYDRATE_TWIN_RELEASE"] = "1"
+        os.environ["PGHYDRATE_TWIN_LAMBDA_CPU"] = "1"
+    profile = ["--release"] if args.build == "release" else []
+    packages = [a for f in FUNCTIONS + ["pghydrate-lazyvol"] for a in ("-p", f)]
+    subprocess.run(["cargo", "build", "--locked", *profile, *packages], cwd=ROOT, check=True)
     rows = []
     for config in args.only.split(","):
         rows += measure(config, CONFIGS[config], args)
