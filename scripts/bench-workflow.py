@@ -34,12 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "twin"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from lazyvol import Volume  # noqa: E402
-from twin import FUNCTIONS, HOME, RUN_AS, Twin  # noqa: E402
+from twin import FUNCTIONS, HOME, RUN_AS, Twin, function_memory_mb  # noqa: E402
 
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR", HOME / "target"))
 GB_SECOND = {"arm64": 0.0000133334, "x86_64": 0.0000166667}
 REQUEST = 0.20 / 1e6
-MEMORY_GB = 0.25
 CONFIGS = {
     "before": {"PGHYDRATE_SESSIONS": "8", "PGHYDRATE_CALL_SESSIONS": "1"},
     "after": {},
@@ -157,7 +156,9 @@ def measure(config: str, env: dict, args) -> list:
                     "build": args.build, "lambda_cpu_share": args.build == "release",
                 }
                 tib = 2**40 / max(inst["warmed_bytes"], 1)
-                row["gb_seconds_per_tib"] = round(warm["call_seconds"] * MEMORY_GB * tib)
+                memory_gb = function_memory_mb()["warm"] / 1024  # as the template deploys Warm
+                row["warm_memory_mb"] = function_memory_mb()["warm"]
+                row["gb_seconds_per_tib"] = round(warm["call_seconds"] * memory_gb * tib)
                 for arch, price in GB_SECOND.items():
                     # Lambda only: the state transitions are a run's fixed cost (about 3 per Warm call
                     # more), not a cost per byte; they are reported as they were counted.
@@ -172,11 +173,11 @@ def measure(config: str, env: dict, args) -> list:
 
 
 def table(rows: list) -> str:
-    out = ["| config | calls at once x sessions per call | warmed (MiB) | execution (s) | warm phase (s) | warm calls | billed call-seconds | "
+    out = ["| config | calls at once x sessions per call | Warm MemorySize (MB) | warmed (MiB) | execution (s) | warm phase (s) | warm calls | billed call-seconds | "
            "transitions | GB-s per TiB | Lambda $ per TiB arm64 (x86_64) | Warm peak RSS (MiB) | volume hydrated |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['config']} | {r['calls_at_once']} x {r['sessions_per_call']} | {r['warmed_bytes'] / 2**20:.0f} | "
+        out.append(f"| {r['config']} | {r['calls_at_once']} x {r['sessions_per_call']} | {r.get('warm_memory_mb', 256)} | {r['warmed_bytes'] / 2**20:.0f} | "
                    f"{r['execution_seconds']} | {r['warm_phase_seconds']} | {r['calls']} | {r['call_seconds']} | {r['transitions']} | "
                    f"{r['gb_seconds_per_tib']:,} | {r['usd_per_tib_arm64']} ({r['usd_per_tib_x86_64']}) | "
                    f"{r['warm_peak_rss_mib']} | {r['hydrated']} |")
