@@ -38,6 +38,8 @@ pub struct PlanOptions {
     /// as skipped (lock_timeout) without waiting: a migration holding a thousand tables cannot stall
     /// planning for a thousand lock timeouts (in a Lambda, past its 15 minutes).
     pub lock_attempts: u32,
+    /// Do not read captured hot sets (`pghydrate capture`): order as if there were none.
+    pub ignore_hot_set: bool,
 }
 
 /// Databases excluded unless named by an include pattern: RDS's own administrative database, which
@@ -132,13 +134,17 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
     // Per fork: Some((oid, fork)) for a shared catalog's fork (pg_authid, pg_database...).
     let mut shared_keys: Vec<Option<(u32, Fork)>> = Vec::new();
     let mut lock_waits = opts.lock_attempts.max(1);
+    let mut stored_hot: Vec<(String, crate::hotset::StoredHotSet)> = Vec::new();
     for d in &dbs {
         if let Some(entry) = database_left_out(d, opts, &server) {
             databases.push(entry);
             continue;
         }
-        let (entry, listed) = plan_database(spec, d, opts, &server, &mut lock_waits).await;
+        let (entry, listed, hot) = plan_database(spec, d, opts, &server, &mut lock_waits).await;
         databases.push(entry);
+        if let Some(hot) = hot {
+            stored_hot.push((d.name.clone(), hot));
+        }
         for (f, shared) in listed {
             shared_keys.push(shared.then_some((f.oid, f.fork)));
             forks.push(f);
@@ -152,7 +158,30 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         }
     }
 
-    let ranges = order_ranges(&forks, &opts.first, opts.range_blocks);
+    let (spans, mut uses) = match_hot_sets(&forks, stored_hot);
+    let (ranges, hot_ranges) = order_ranges(&forks, &opts.first, opts.range_blocks, &spans);
+    for u in &mut uses {
+        u.used = 0;
+    }
+    let hot_set = (!uses.is_empty()).then(|| {
+        // What the hot phase reads, per database (a span may have been clipped, or read whole as a
+        // `--first` table).
+        for r in &hot_ranges {
+            let db = &forks[r.fork as usize].database;
+            if let Some(u) = uses.iter_mut().find(|u| &u.database == db) {
+                u.used += 1;
+            }
+        }
+        crate::plan::HotSetPlan { databases: uses, ranges: hot_ranges }
+    });
+    if let Some(h) = &hot_set {
+        info!(
+            databases = h.databases.len(),
+            ranges = h.ranges.len(),
+            blocks = h.blocks(),
+            "captured hot set read first"
+        );
+    }
     let plan = Plan {
         format: PLAN_FORMAT,
         created_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
@@ -162,6 +191,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         forks,
         ranges,
         plan_seconds: started.elapsed().as_secs_f64(),
+        hot_set,
     };
     info!(
         databases = plan.databases.iter().filter(|d| d.outcome == DatabaseOutcome::Planned).count(),
@@ -269,24 +299,25 @@ async fn plan_database(
     opts: &PlanOptions,
     server: &ServerInfo,
     lock_waits: &mut u32,
-) -> (DatabaseEntry, Vec<(ForkEntry, bool)>) {
+) -> (DatabaseEntry, Vec<(ForkEntry, bool)>, Option<crate::hotset::StoredHotSet>) {
     let client = match spec.connect(&d.name).await {
         Ok(c) => c,
         Err(e) => {
             warn!(database = %d.name, error = %e, "database not connectable; skipped");
-            return (skipped_database(&d.name, format!("cannot connect: {e}"), true), Vec::new());
+            return (skipped_database(&d.name, format!("cannot connect: {e}"), true), Vec::new(), None);
         }
     };
     let listed = async {
         let ext = ensure_extension(spec, &client, &d.name, opts, server.in_recovery).await?;
         let forks = list_forks(spec, &client, &d.name, server, lock_waits).await?;
-        Ok::<_, Error>((ext, forks))
+        let hot = if opts.ignore_hot_set { None } else { crate::hotset::read_stored(&client, &d.name).await? };
+        Ok::<_, Error>((ext, forks, hot))
     };
-    let ((prewarm_schema, ext_problem, note), db_forks) = match listed.await {
+    let ((prewarm_schema, ext_problem, note), db_forks, hot) = match listed.await {
         Ok(x) => x,
         Err(e) => {
             warn!(database = %d.name, error = %e, "database could not be planned; skipped");
-            return (skipped_database(&d.name, format!("could not be planned: {e}"), true), Vec::new());
+            return (skipped_database(&d.name, format!("could not be planned: {e}"), true), Vec::new(), None);
         }
     };
     let forks = db_forks
@@ -314,7 +345,65 @@ async fn plan_database(
         prewarm_schema,
         counts_against_coverage: true,
     };
-    (entry, forks)
+    (entry, forks, hot)
+}
+
+/// Matches each database's stored hot ranges to the plan's forks: a range whose relation is gone, was
+/// rewritten (its filenode changed), lies wholly past the fork's end now or belongs to a fork the plan
+/// does not read is counted and left out. Returns the spans to read first and, per database, what was
+/// used (`used` counts matched ranges; the caller recounts after ordering).
+fn match_hot_sets(
+    forks: &[ForkEntry],
+    stored: Vec<(String, crate::hotset::StoredHotSet)>,
+) -> (Vec<crate::plan::HotSpan>, Vec<crate::hotset::HotSetUse>) {
+    let index: std::collections::HashMap<(&str, u32, Fork), usize> =
+        forks.iter().enumerate().map(|(i, f)| ((f.database.as_str(), f.oid, f.fork), i)).collect();
+    let mut spans = Vec::new();
+    let mut uses = Vec::new();
+    for (db, hot) in stored {
+        let mut u = crate::hotset::HotSetUse {
+            database: db.clone(),
+            captured_at: hot.captured_at.clone(),
+            stored: hot.ranges.len(),
+            ignored: hot.ignored.clone(),
+            ..Default::default()
+        };
+        for r in &hot.ranges {
+            let Some(now) = r.filenode_now else {
+                u.dropped += 1;
+                continue;
+            };
+            if now != r.filenode {
+                u.rewritten += 1;
+                continue;
+            }
+            let found = r.fork.and_then(|fork| index.get(&(db.as_str(), r.relid, fork)));
+            let Some(&i) = found else {
+                u.not_planned += 1;
+                continue;
+            };
+            let f = &forks[i];
+            if f.excluded || f.planned_skip.is_some() || r.first < 0 || r.last < r.first {
+                u.not_planned += 1;
+                continue;
+            }
+            if r.first as u64 >= f.blocks {
+                u.truncated += 1;
+                continue;
+            }
+            u.used += 1;
+            spans.push(crate::plan::HotSpan {
+                fork: i as u32,
+                first: r.first as u64,
+                last: r.last as u64,
+                heat: r.heat,
+            });
+        }
+        info!(database = %db, captured_at = ?u.captured_at, stored = u.stored, used = u.used, dropped = u.dropped,
+              rewritten = u.rewritten, truncated = u.truncated, not_planned = u.not_planned, "captured hot set");
+        uses.push(u);
+    }
+    (spans, uses)
 }
 
 /// Shared catalogs (pg_authid, pg_database, ...) appear in every database and are read once: from the

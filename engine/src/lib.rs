@@ -18,6 +18,7 @@ pub mod catalog;
 pub mod connect;
 pub mod error;
 pub mod events;
+pub mod hotset;
 pub mod maintain;
 pub mod pattern;
 pub mod plan;

@@ -250,6 +250,9 @@ pub struct Plan {
     /// Ranges to read, in reading order.
     pub ranges: Vec<BlockRange>,
     pub plan_seconds: f64,
+    /// What the plan took from captured hot sets (`pghydrate capture`); None when no database had one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot_set: Option<HotSetPlan>,
 }
 
 impl Plan {
@@ -306,13 +309,51 @@ pub fn split_blocks(blocks: u64, range_blocks: u64) -> Vec<(u64, u64)> {
     out
 }
 
-/// Builds the reading order for the forks that are to be read: forks of tables matching a `first`
-/// pattern come first (in pattern order), then forks of at least one full range, largest first (so
-/// that no giant relation is the tail: its ranges are spread over every session), then the small
-/// forks grouped by database (so that sessions do not hop between databases), largest first.
-pub fn order_ranges(forks: &[ForkEntry], first: &[RelationPattern], range_blocks: u64) -> Vec<BlockRange> {
-    let mut readable: Vec<(usize, &ForkEntry)> =
-        forks.iter().enumerate().filter(|(_, f)| f.planned_skip.is_none() && !f.excluded && f.blocks > 0).collect();
+/// A captured hot range ([`crate::hotset`]) matched to a fork of the plan: blocks `[first, last]` of
+/// `fork` (an index into `Plan::forks`), with its heat (the mean buffer usage count when captured).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HotSpan {
+    pub fork: u32,
+    pub first: u64,
+    pub last: u64,
+    pub heat: f32,
+}
+
+/// What the plan took from the captured hot sets of its databases.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct HotSetPlan {
+    /// Per database with a capture: when it was taken and what of it the plan uses.
+    pub databases: Vec<crate::hotset::HotSetUse>,
+    /// The hot phase's ranges, hottest first, as they are in `Plan::ranges` (a range of them may be
+    /// joined with its neighbours in the outcomes: the report intersects, it does not match).
+    pub ranges: Vec<BlockRange>,
+}
+
+impl HotSetPlan {
+    pub fn blocks(&self) -> u64 {
+        self.ranges.iter().map(BlockRange::blocks).sum()
+    }
+}
+
+/// Builds the reading order for the forks that are to be read, in three phases:
+/// 1. forks of tables matching a `first` pattern, whole, in pattern order (the user said so);
+/// 2. the captured hot set (`hot`), hottest span first, each block once however the spans overlap,
+///    clipped to the fork's size now (a span wholly past it is dropped);
+/// 3. the rest: forks of at least one full range, largest first (so that no giant relation is the
+///    tail: its ranges are spread over every session), then the small forks grouped by database (so
+///    that sessions do not hop between databases), largest first; a fork with hot spans contributes
+///    only the blocks the hot phase did not read.
+///
+/// Returns every range in reading order, and the hot phase's ranges. Every block of every readable
+/// fork is in exactly one range.
+pub fn order_ranges(
+    forks: &[ForkEntry],
+    first: &[RelationPattern],
+    range_blocks: u64,
+    hot: &[HotSpan],
+) -> (Vec<BlockRange>, Vec<BlockRange>) {
+    let is_readable = |f: &ForkEntry| f.planned_skip.is_none() && !f.excluded && f.blocks > 0;
+    let mut readable: Vec<(usize, &ForkEntry)> = forks.iter().enumerate().filter(|(_, f)| is_readable(f)).collect();
     let priority = |f: &ForkEntry| -> usize { first.iter().position(|p| f.matched_by(p)).unwrap_or(first.len()) };
     readable.sort_by(|(ia, a), (ib, b)| {
         let pa = priority(a);
@@ -325,13 +366,72 @@ pub fn order_ranges(forks: &[ForkEntry], first: &[RelationPattern], range_blocks
             .then(b.blocks.cmp(&a.blocks))
             .then(ia.cmp(ib))
     });
-    let mut ranges = Vec::new();
-    for (i, f) in readable {
-        for (first, last) in split_blocks(f.blocks, range_blocks) {
-            ranges.push(BlockRange { fork: i as u32, first, last });
+
+    // Phase 2's spans: of readable forks not read whole in phase 1, within the fork, hottest first.
+    let mut spans: Vec<HotSpan> = hot
+        .iter()
+        .filter_map(|s| {
+            let f = forks.get(s.fork as usize)?;
+            if !is_readable(f) || priority(f) < first.len() || s.first > s.last || s.first >= f.blocks {
+                return None;
+            }
+            Some(HotSpan { last: s.last.min(f.blocks - 1), ..*s })
+        })
+        .collect();
+    spans.sort_by(|a, b| {
+        let heat = |h: f32| if h.is_nan() { f32::NEG_INFINITY } else { h };
+        heat(b.heat).total_cmp(&heat(a.heat)).then(a.fork.cmp(&b.fork)).then(a.first.cmp(&b.first))
+    });
+    // Per fork: the disjoint block intervals phase 2 reads, first -> last.
+    let mut taken: std::collections::HashMap<u32, std::collections::BTreeMap<u64, u64>> = Default::default();
+    let mut hot_ranges = Vec::new();
+    for s in spans {
+        let fork_taken = taken.entry(s.fork).or_default();
+        for (a, b) in uncovered(fork_taken, s.first, s.last) {
+            fork_taken.insert(a, b);
+            for (x, y) in split_blocks(b - a + 1, range_blocks) {
+                hot_ranges.push(BlockRange { fork: s.fork, first: a + x, last: a + y });
+            }
         }
     }
-    ranges
+
+    let mut ranges = Vec::new();
+    let mut rest = Vec::new();
+    let empty = std::collections::BTreeMap::new();
+    for (i, f) in readable {
+        let out = if priority(f) < first.len() { &mut ranges } else { &mut rest };
+        let fork_taken = taken.get(&(i as u32)).unwrap_or(&empty);
+        for (a, b) in uncovered(fork_taken, 0, f.blocks - 1) {
+            for (x, y) in split_blocks(b - a + 1, range_blocks) {
+                out.push(BlockRange { fork: i as u32, first: a + x, last: a + y });
+            }
+        }
+    }
+    ranges.extend(hot_ranges.iter().copied());
+    ranges.extend(rest);
+    (ranges, hot_ranges)
+}
+
+/// The parts of `[first, last]` that no interval of `taken` (disjoint, keyed by first block) covers.
+fn uncovered(taken: &std::collections::BTreeMap<u64, u64>, first: u64, last: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut next = first;
+    // The interval that starts before `first` may reach into it.
+    let before = taken.range(..first).next_back().map(|(&a, &b)| (a, b));
+    for (a, b) in before.into_iter().chain(taken.range(first..=last).map(|(&a, &b)| (a, b))) {
+        if b < next {
+            continue;
+        }
+        if a > next {
+            out.push((next, a - 1));
+        }
+        next = b.saturating_add(1);
+        if next > last {
+            return out;
+        }
+    }
+    out.push((next, last));
+    out
 }
 
 #[cfg(test)]
@@ -374,11 +474,14 @@ mod tests {
             prop_assert_eq!(next, blocks);
         }
 
-        /// The ordered plan holds every block of every readable fork exactly once.
+        /// The ordered plan holds every block of every readable fork exactly once, whatever hot spans
+        /// (overlapping, past the end, of unreadable or unknown forks, NaN heat) it is given; the hot
+        /// phase comes first and reads only blocks of its spans.
         #[test]
         fn ordering_covers_every_readable_block_once(
             sizes in proptest::collection::vec((0u64..50_000, 0usize..3, any::<bool>()), 0..40),
             range_blocks in 1u64..10_000,
+            spans in proptest::collection::vec((0u32..45, 0u64..60_000, 0u64..20_000, -1.0f32..6.0), 0..30),
         ) {
             let forks: Vec<ForkEntry> = sizes.iter().enumerate().map(|(i, (b, db, skip))| {
                 let mut f = fork(&format!("db{db}"), &format!("t{i}"), *b);
@@ -387,7 +490,15 @@ mod tests {
                 }
                 f
             }).collect();
-            let ranges = order_ranges(&forks, &[], range_blocks);
+            let hot: Vec<HotSpan> = spans.iter().map(|&(fork, first, len, heat)| HotSpan {
+                fork, first, last: first + len, heat: if heat < 0.0 { f32::NAN } else { heat },
+            }).collect();
+            let (ranges, hot_ranges) = order_ranges(&forks, &[], range_blocks, &hot);
+            prop_assert_eq!(&ranges[..hot_ranges.len()], &hot_ranges[..]);
+            for r in &hot_ranges {
+                prop_assert!(hot.iter().any(|s| s.fork == r.fork && s.first <= r.first && r.last <= s.last));
+                prop_assert!(r.blocks() <= range_blocks);
+            }
             let mut per_fork: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = Default::default();
             for r in &ranges { per_fork.entry(r.fork).or_default().push((r.first, r.last)); }
             for (i, f) in forks.iter().enumerate() {
@@ -411,7 +522,8 @@ mod tests {
             fork("c", "bigger", 300),
         ];
         let first = vec![RelationPattern::parse("urgent").unwrap()];
-        let ranges = order_ranges(&forks, &first, 50);
+        let (ranges, hot) = order_ranges(&forks, &first, 50, &[]);
+        assert!(hot.is_empty());
         let order: Vec<&str> = ranges.iter().map(|r| forks[r.fork as usize].name.as_str()).collect();
         assert_eq!(
             order,

@@ -90,6 +90,25 @@ pub struct Report {
     pub maintenance: Vec<MaintenanceResult>,
     pub timings: Timings,
     pub throughput: Throughput,
+    /// The captured hot set the plan read first, and what of it was read when.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot_set: Option<HotSetReport>,
+}
+
+/// What of the captured hot set was read, and when.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct HotSetReport {
+    pub databases: Vec<crate::hotset::HotSetUse>,
+    /// Bytes the hot phase planned to read.
+    pub bytes: u64,
+    /// Of them, bytes read.
+    pub read_bytes: u64,
+    /// read_bytes / bytes (1.0 when there was nothing to read).
+    pub read_share: f64,
+    /// Seconds of warming after which the whole hot phase was read (None: not yet, or not measured
+    /// because part of it had been read by an earlier call).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_by_seconds: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -220,6 +239,23 @@ pub fn build(state: &RunState) -> Report {
             total_seconds: plan.plan_seconds + state.warm_seconds + state.maintain_seconds,
         },
         throughput: Throughput { warmed_bytes_per_second: 0.0, warmed_mib_per_second: 0.0 },
+        hot_set: plan.hot_set.as_ref().map(|h| {
+            let hot = crate::hotset::HotBlocks::new(&h.ranges);
+            let read: u64 = state
+                .outcomes
+                .iter()
+                .filter(|o| matches!(o.result, RangeResult::Warmed { .. }))
+                .map(|o| hot.within(&o.range))
+                .sum();
+            let blocks = h.blocks();
+            HotSetReport {
+                databases: h.databases.clone(),
+                bytes: blocks * bs,
+                read_bytes: read * bs,
+                read_share: if blocks == 0 { 1.0 } else { read as f64 / blocks as f64 },
+                read_by_seconds: state.hot_read_at_seconds,
+            }
+        }),
     };
 
     for (f, t) in plan.forks.iter().zip(&tallies) {
@@ -388,6 +424,18 @@ impl Report {
         }
         if skipped.len() > 10 {
             let _ = writeln!(s, "    ... and {} more in the JSON report (--report)", skipped.len() - 10);
+        }
+        if let Some(h) = &self.hot_set {
+            let _ = writeln!(
+                s,
+                "  captured hot set: {} read first, {:.1}% read{}",
+                human_bytes(h.bytes),
+                h.read_share * 100.0,
+                h.read_by_seconds.map(|t| format!(", all of it within {t:.1} s of warming")).unwrap_or_default()
+            );
+            for d in &h.databases {
+                let _ = writeln!(s, "    {}", d.describe());
+            }
         }
         if self.excluded_bytes > 0 {
             let _ = writeln!(s, "  excluded by patterns: {}", human_bytes(self.excluded_bytes));

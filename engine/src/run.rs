@@ -50,6 +50,9 @@ pub struct RunState {
     /// With `adaptive`: the levels chosen, over every call (seconds counted in warm time).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub levels: Vec<crate::adaptive::Level>,
+    /// Seconds of warming after which the plan's hot phase (a captured hot set) was wholly read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hot_read_at_seconds: Option<f64>,
 }
 
 #[derive(Debug, Clone)]
@@ -100,6 +103,7 @@ impl RunState {
             adaptive: false,
             levels: Vec::new(),
             locks_retried: false,
+            hot_read_at_seconds: None,
         }
     }
 
@@ -178,6 +182,9 @@ impl RunState {
                     warmed.levels.iter().map(|l| crate::adaptive::Level { at_seconds: l.at_seconds + offset, ..*l }),
                 );
                 self.outcomes.extend(warmed.outcomes);
+                if let Some(t) = warmed.hot_read_at {
+                    self.hot_read_at_seconds.get_or_insert(t + offset);
+                }
                 self.pending = warmed.pending;
                 self.unreachable = warmed.unreachable;
                 self.warm_seconds += started.elapsed().as_secs_f64();

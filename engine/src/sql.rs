@@ -136,3 +136,28 @@ pub(crate) async fn maintenance_statement(
         allowed: row.get(2),
     }))
 }
+
+/// The hot-set capture's one read of the buffer cache ([`crate::hotset`]): pg_buffercache's view as its
+/// extension installed it (a member of the extension `pg_buffercache` in pg_depend, never a lookup by
+/// name), summarized on the server into runs of consecutive cached blocks per relation fork: database,
+/// tablespace, filenode, fork number, first and last block, buffers, summed usage count. Shared
+/// catalogs (database 0) and unused buffers are left out. None: pg_buffercache is not installed here.
+pub(crate) async fn buffercache_runs(client: &Client) -> Result<Option<ServerSql>, tokio_postgres::Error> {
+    let find = "SELECT format('SELECT r.db, r.ts, r.fn, r.fork, pg_catalog.min(r.blk), pg_catalog.max(r.blk),
+                       pg_catalog.count(*), pg_catalog.sum(r.usage)::pg_catalog.int8
+                  FROM (SELECT b.*, b.blk - pg_catalog.row_number() OVER (PARTITION BY b.db, b.ts, b.fn, b.fork ORDER BY b.blk) AS grp
+                          FROM (SELECT v.reldatabase::pg_catalog.oid AS db, v.reltablespace::pg_catalog.oid AS ts,
+                                       v.relfilenode::pg_catalog.oid AS fn, v.relforknumber::pg_catalog.int4 AS fork,
+                                       v.relblocknumber::pg_catalog.int8 AS blk, coalesce(v.usagecount, 0)::pg_catalog.int8 AS usage
+                                  FROM %I.%I v
+                                 WHERE v.reldatabase IS NOT NULL AND v.reldatabase <> 0 AND v.relblocknumber IS NOT NULL) b) r
+                 GROUP BY r.db, r.ts, r.fn, r.fork, r.grp', n.nspname, c.relname)
+         FROM pg_catalog.pg_extension e
+         JOIN pg_catalog.pg_depend d ON d.refclassid = 'pg_catalog.pg_extension'::pg_catalog.regclass
+                                     AND d.refobjid = e.oid AND d.deptype = 'e'
+                                     AND d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass
+         JOIN pg_catalog.pg_class c ON c.oid = d.objid
+         JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+        WHERE e.extname = 'pg_buffercache' AND c.relname = 'pg_buffercache' AND c.relkind = 'v'";
+    Ok(client.query_opt(find, &[]).await?.map(|row| ServerSql::from_row(&row, 0)))
+}

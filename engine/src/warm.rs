@@ -163,6 +163,9 @@ pub struct Warmed {
     /// With `adaptive`: every change of the number of reading sessions, with the throughput that led
     /// to it (the first entry is the start).
     pub levels: Vec<crate::adaptive::Level>,
+    /// Seconds after which every block of the plan's hot phase among the ranges given was read (None:
+    /// there was none among them, or not all of it was read).
+    pub hot_read_at: Option<f64>,
 }
 
 /// Attempts a range gets for each cause before it is given up with that cause: a range that lost its
@@ -247,6 +250,11 @@ struct Shared {
     /// Workers with an id below this read; the others wait, without a session (adaptive).
     active: AtomicUsize,
     levels: Mutex<Vec<crate::adaptive::Level>>,
+    /// The plan's hot blocks among the ranges given, how many are left to read, and when the last was.
+    hot: crate::hotset::HotBlocks,
+    hot_left: AtomicU64,
+    hot_read_at: Mutex<Option<f64>>,
+    started: Instant,
 }
 
 /// Reads `ranges` of `plan`. Returns the outcomes recorded and the ranges left pending (the deadline
@@ -271,6 +279,8 @@ pub async fn warm(
     });
     let active = controller.as_ref().map_or(workers, |c| c.level().min(workers));
     counters.sessions.store(active, Ordering::Relaxed);
+    let hot = plan.hot_set.as_ref().map(|h| crate::hotset::HotBlocks::new(&h.ranges)).unwrap_or_default();
+    let hot_left: u64 = ranges.iter().map(|r| hot.within(r)).sum();
     let shared = Arc::new(Shared {
         plan,
         spec: spec.clone(),
@@ -287,6 +297,10 @@ pub async fn warm(
         in_hand: (0..workers).map(|_| Mutex::new(Vec::new())).collect(),
         active: AtomicUsize::new(active),
         levels: Mutex::new(Vec::new()),
+        hot,
+        hot_left: AtomicU64::new(hot_left),
+        hot_read_at: Mutex::new(None),
+        started: Instant::now(),
     });
     let mut handles = Vec::new();
     for id in 0..workers {
@@ -313,7 +327,8 @@ pub async fn warm(
     let levels = std::mem::take(&mut *shared.levels.lock().unwrap());
     let mut q = shared.queue.lock().unwrap();
     let pending: Vec<BlockRange> = q.tasks.drain(..).map(|t| t.range).collect();
-    Ok(Warmed { outcomes, pending, unreachable: std::mem::take(&mut q.unreachable), levels })
+    let hot_read_at = *shared.hot_read_at.lock().unwrap();
+    Ok(Warmed { outcomes, pending, unreachable: std::mem::take(&mut q.unreachable), levels, hot_read_at })
 }
 
 /// Joins warmed outcomes of one fork that touch (the steps of a range, finished in any order) and
@@ -555,6 +570,12 @@ impl Shared {
         self.counters.done_bytes.fetch_add(bytes, Ordering::Relaxed);
         if let RangeResult::Warmed { .. } = result {
             self.counters.warmed_bytes.fetch_add(bytes, Ordering::Relaxed);
+            let hot = self.hot.within(&range);
+            if hot > 0 && self.hot_left.fetch_sub(hot, Ordering::Relaxed) == hot {
+                let at = self.started.elapsed().as_secs_f64();
+                *self.hot_read_at.lock().unwrap() = Some(at);
+                info!(seconds = at, "the captured hot set is read");
+            }
         }
         if let RangeResult::Skipped(s) = &result {
             let f = self.plan.fork(&range);

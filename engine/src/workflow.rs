@@ -313,6 +313,7 @@ impl WorkItem {
             forks: self.forks.clone(),
             ranges: self.pending.clone(),
             plan_seconds: 0.0,
+            hot_set: None,
         }
     }
 
@@ -565,6 +566,7 @@ impl RunConfig {
             create_extension: true,
             dry_run: false,
             lock_attempts,
+            ignore_hot_set: false,
         })
     }
 }
@@ -683,6 +685,16 @@ pub struct PlanSummary {
     /// Why fewer sessions than asked for (the server's free connection slots), if so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sessions_note: Option<String>,
+    /// The captured hot sets the plan reads first (its first items), per database.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hot_set: Vec<crate::hotset::HotSetUse>,
+    /// Bytes of the hot phase.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub hot_bytes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 fn one_call() -> u32 {
@@ -765,6 +777,8 @@ pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanS
         calls: sizing.calls,
         sessions_per_call: sizing.sessions_per_call,
         sessions_note,
+        hot_set: plan.hot_set.as_ref().map(|h| h.databases.clone()).unwrap_or_default(),
+        hot_bytes: plan.hot_set.as_ref().map_or(0, |h| h.blocks() * bs),
     };
     Ok((summary, items))
 }
@@ -970,7 +984,7 @@ mod tests {
                 partition_of: Vec::new(),
             })
             .collect();
-        let ranges = crate::plan::order_ranges(&forks, &[], range_blocks);
+        let (ranges, _) = crate::plan::order_ranges(&forks, &[], range_blocks, &[]);
         Plan {
             format: 1,
             created_at: String::new(),
@@ -988,6 +1002,7 @@ mod tests {
             forks,
             ranges,
             plan_seconds: 0.0,
+            hot_set: None,
         }
     }
 

@@ -1,0 +1,334 @@
+//! The captured hot set (`pghydrate capture`): what a server keeps in shared buffers is stored in each
+//! database, travels with it (here: survives a restart, which empties the cache as a restore does), and
+//! the next run reads it first, still reading every block once. It is bounded in size, refuses a
+//! schema someone else made, and replay runs none of a hostile user's code.
+
+use pghydrate::hotset::CaptureReport;
+use pghydrate::plan::Plan;
+use pghydrate::report::Report;
+use pghydrate_tests::{cli, Cluster};
+
+fn tmp(cluster: &Cluster) -> std::path::PathBuf {
+    let d = cluster.dir().join("work");
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+async fn oid_of(c: &tokio_postgres::Client, rel: &str) -> u32 {
+    c.query_one("SELECT $1::text::regclass::oid", &[&rel]).await.unwrap().get(0)
+}
+
+async fn blocks_of(c: &tokio_postgres::Client, rel: &str) -> u64 {
+    let n: i64 = c
+        .query_one("SELECT pg_relation_size($1::text::regclass) / current_setting('block_size')::int8", &[&rel])
+        .await
+        .unwrap()
+        .get(0);
+    n as u64
+}
+
+/// Hot blocks the plan reads first, per relation oid in database `db`.
+fn hot_blocks(plan: &Plan, db: &str, oid: u32) -> u64 {
+    let h = plan.hot_set.as_ref().expect("the plan has a hot set");
+    h.ranges
+        .iter()
+        .filter(|r| {
+            let f = plan.fork(r);
+            f.database == db && f.oid == oid && f.fork == pghydrate::plan::Fork::Main
+        })
+        .map(|r| r.blocks())
+        .sum()
+}
+
+async fn a_captured_hot_set_is_read_first_and_every_block_still_once(major: u32) {
+    let cluster = Cluster::start(major, &["shared_buffers = 64MB"]);
+    let admin = cluster.client("postgres").await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    admin.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
+    let app = cluster.client("app").await;
+    app.batch_execute(
+        "CREATE EXTENSION pg_prewarm;
+         CREATE TABLE hot (id int PRIMARY KEY, v text) WITH (fillfactor = 10);
+         INSERT INTO hot SELECT i, 'h' || i FROM generate_series(1, 20000) i;
+         CREATE TABLE cold (id int PRIMARY KEY, v text) WITH (fillfactor = 10);
+         INSERT INTO cold SELECT i, 'c' || i FROM generate_series(1, 60000) i;
+         CREATE TABLE rewritten (id int, v text);
+         INSERT INTO rewritten SELECT i, repeat('r', 100) FROM generate_series(1, 20000) i",
+    )
+    .await
+    .unwrap();
+    app.batch_execute("VACUUM").await.unwrap();
+    let (hot, hot_pkey, cold, rewritten) = (
+        oid_of(&app, "hot").await,
+        oid_of(&app, "hot_pkey").await,
+        oid_of(&app, "cold").await,
+        oid_of(&app, "rewritten").await,
+    );
+    let hot_size = blocks_of(&app, "hot").await;
+    let pkey_size = blocks_of(&app, "hot_pkey").await;
+    drop(app);
+    drop(admin);
+
+    // The application's working set: hot and its index, and rewritten; cold is not in the cache.
+    cluster.restart();
+    let app = cluster.client("app").await;
+    app.batch_execute("SELECT pg_prewarm('hot'), pg_prewarm('hot_pkey'), pg_prewarm('rewritten')").await.unwrap();
+    let work = tmp(&cluster);
+    let url = cluster.superuser_url("postgres");
+    let (code, out, err) = cli(&["capture", "--json", &url], &work);
+    assert_eq!(code, 0, "capture failed: {out}\n{err}");
+    let captured: CaptureReport = serde_json::from_str(&out).unwrap();
+    let app_capture = captured.databases.iter().find(|d| d.database == "app").expect("app captured");
+    assert!(app_capture.error.is_none(), "{app_capture:?}");
+    assert!(app_capture.buffers >= hot_size + pkey_size, "{app_capture:?}");
+    let stored: i64 = app
+        .query_one("SELECT coalesce(sum(last_block - first_block + 1), 0)::int8 FROM pghydrate.hot_set WHERE relid = $1 AND fork = 'main'", &[&hot])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stored as u64, hot_size, "every cached block of hot is in its stored ranges");
+
+    // After the capture, rewritten is rewritten (its filenode changes), then the cache is emptied: the
+    // volume a restore gives.
+    app.batch_execute("VACUUM FULL rewritten").await.unwrap();
+    drop(app);
+    cluster.restart();
+
+    let (code, out, err) = cli(&["plan", "--json", "--include-database", "app", &url], &work);
+    assert_eq!(code, 0, "plan failed: {err}");
+    let plan: Plan = serde_json::from_str(&out).unwrap();
+    let h = plan.hot_set.as_ref().expect("the plan read the hot set");
+    let used = h.databases.iter().find(|d| d.database == "app").unwrap();
+    assert!(used.ignored.is_none() && used.captured_at.is_some(), "{used:?}");
+    assert!(used.rewritten >= 1, "the rewritten table's ranges are left out: {used:?}");
+    assert_eq!(&plan.ranges[..h.ranges.len()], &h.ranges[..], "the hot phase comes first");
+    assert_eq!(hot_blocks(&plan, "app", hot), hot_size, "all of hot is in the hot phase");
+    assert_eq!(hot_blocks(&plan, "app", hot_pkey), pkey_size, "all of hot_pkey is in the hot phase");
+    assert_eq!(hot_blocks(&plan, "app", cold), 0, "cold was not cached");
+    assert_eq!(hot_blocks(&plan, "app", rewritten), 0, "rewritten's captured blocks are not its blocks now");
+    // Every block of every fork exactly once, hot phase included.
+    let mut per_fork: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = Default::default();
+    for r in &plan.ranges {
+        per_fork.entry(r.fork).or_default().push((r.first, r.last));
+    }
+    for (i, f) in plan.forks.iter().enumerate() {
+        let mut got = per_fork.remove(&(i as u32)).unwrap_or_default();
+        got.sort();
+        if f.planned_skip.is_some() || f.excluded {
+            continue;
+        }
+        let mut next = 0;
+        for (a, b) in got {
+            assert_eq!(a, next, "{}.{} {:?}: a gap or an overlap", f.schema, f.name, f.fork);
+            next = b + 1;
+        }
+        assert_eq!(next, f.blocks, "{}.{} {:?}", f.schema, f.name, f.fork);
+    }
+
+    let report_path = work.join("report.json");
+    let (code, out, err) =
+        cli(&["run", "--include-database", "app", "--report", report_path.to_str().unwrap(), &url], &work);
+    assert_eq!(code, 0, "run failed: {out}\n{err}");
+    assert!(out.contains("captured hot set"), "the summary says what of the hot set was read: {out}");
+    let report: Report = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
+    assert_eq!(report.coverage, 1.0);
+    let hs = report.hot_set.expect("the report has the hot set");
+    assert_eq!(hs.read_share, 1.0, "{hs:?}");
+    assert!(hs.read_by_seconds.is_some_and(|t| t <= report.timings.warm_seconds), "{hs:?}");
+
+    // --no-hot-set orders as if there were none.
+    let (code, out, _) = cli(&["plan", "--json", "--no-hot-set", "--include-database", "app", &url], &work);
+    assert_eq!(code, 0);
+    assert!(serde_json::from_str::<Plan>(&out).unwrap().hot_set.is_none());
+
+    // --drop removes it, and only it.
+    let (code, out, err) = cli(&["capture", "--drop", &url], &work);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("app: hot set dropped"), "{out}");
+    let app = cluster.client("app").await;
+    let left: i64 =
+        app.query_one("SELECT count(*) FROM pg_namespace WHERE nspname = 'pghydrate'", &[]).await.unwrap().get(0);
+    assert_eq!(left, 0);
+    let (_, out, _) = cli(&["plan", "--json", "--include-database", "app", &url], &work);
+    assert!(serde_json::from_str::<Plan>(&out).unwrap().hot_set.is_none());
+}
+
+/// Buffers as scattered as they get (every other block of a table) are stored as ranges of about 64
+/// bytes each, so the default cap (65,536 ranges) stays under 5 MiB; `--max-ranges` is a hard cap that
+/// merges the smallest gaps and keeps every cached block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capture_is_bounded_and_small() {
+    let cluster = Cluster::start(15, &["shared_buffers = 256MB"]);
+    let admin = cluster.client("postgres").await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    admin.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
+    let app = cluster.client("app").await;
+    app.batch_execute(
+        "CREATE EXTENSION pg_prewarm;
+         CREATE TABLE scattered (id int, v text) WITH (fillfactor = 10);
+         INSERT INTO scattered SELECT i, 's' || i FROM generate_series(1, 400000) i",
+    )
+    .await
+    .unwrap();
+    let blocks = blocks_of(&app, "scattered").await;
+    assert!(blocks >= 16_000, "{blocks}");
+    drop(app);
+    cluster.restart();
+    let app = cluster.client("app").await;
+    app.query_one(
+        "SELECT count(pg_prewarm('scattered', 'buffer', 'main', b, b)) FROM generate_series(0, $1::int8 - 1, 2) b",
+        &[&(blocks as i64)],
+    )
+    .await
+    .unwrap();
+    let work = tmp(&cluster);
+    let url = cluster.superuser_url("postgres");
+
+    let (code, out, err) = cli(&["capture", "--json", "--include-database", "app", &url], &work);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let c: CaptureReport = serde_json::from_str(&out).unwrap();
+    let d = &c.databases[0];
+    let scattered_runs = blocks.div_ceil(2) as usize;
+    assert!(d.runs >= scattered_runs && d.ranges == d.runs, "under the cap nothing is merged: {d:?}");
+    let bytes = d.table_bytes.expect("table size measured") as f64;
+    let per_range = bytes / d.ranges as f64;
+    let at_cap = per_range * pghydrate::hotset::DEFAULT_MAX_RANGES as f64;
+    eprintln!(
+        "hot set: {} ranges in {bytes} bytes, {per_range:.1} bytes/range, {at_cap:.0} bytes at the cap",
+        d.ranges
+    );
+    assert!(at_cap < 5.0 * 1024.0 * 1024.0, "{per_range} bytes per range");
+    let stored: i64 =
+        app.query_one("SELECT sum(cached_blocks)::int8 FROM pghydrate.hot_set", &[]).await.unwrap().get(0);
+    assert_eq!(stored as u64, d.buffers - d.unresolved_buffers);
+
+    let (code, out, err) =
+        cli(&["capture", "--json", "--include-database", "app", "--max-ranges", "1000", &url], &work);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let c: CaptureReport = serde_json::from_str(&out).unwrap();
+    let d = &c.databases[0];
+    assert_eq!(d.ranges, 1000, "{d:?}");
+    assert_eq!(d.largest_gap_merged, 1, "only one-block gaps needed merging: {d:?}");
+    let (rows, cached): (i64, i64) = {
+        let r = app.query_one("SELECT count(*), sum(cached_blocks)::int8 FROM pghydrate.hot_set", &[]).await.unwrap();
+        (r.get(0), r.get(1))
+    };
+    assert_eq!(rows, 1000, "the second capture replaced the first");
+    assert_eq!(cached as u64, d.buffers - d.unresolved_buffers, "merging keeps every cached block");
+
+    let (code, _, err) = cli(&["capture", "--max-ranges", "0", &url], &work);
+    assert_eq!(code, 2, "{err}");
+}
+
+/// How often mallory's function ran, and whether she became superuser.
+async fn mallory_runs(cluster: &Cluster) -> (i64, bool) {
+    let c = cluster.client("app").await;
+    let r =
+        c.query_one("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM pghydrate.runs", &[]).await.unwrap();
+    let sup: bool = c.query_one("SELECT rolsuper FROM pg_roles WHERE rolname = 'mallory'", &[]).await.unwrap().get(0);
+    (r.get(0), sup)
+}
+
+/// mallory may create schemas in app. Before any capture she makes `pghydrate` hers, with a view or a
+/// row-security table named hot_set whose every read calls her function (it counts its calls and tries
+/// to make her superuser). Planning reads none of it and says why; capture refuses to write into her
+/// schema; coverage is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planted_hot_set_runs_nothing_and_is_not_written_into() {
+    let cluster = Cluster::start(15, &[]);
+    let admin = cluster.client("postgres").await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    admin
+        .batch_execute(
+            "CREATE EXTENSION pg_buffercache;
+             CREATE ROLE mallory LOGIN PASSWORD 'mallory-pw';
+             GRANT CREATE ON DATABASE app TO mallory",
+        )
+        .await
+        .unwrap();
+    let app = cluster.client("app").await;
+    app.batch_execute("CREATE TABLE t AS SELECT i FROM generate_series(1, 10000) i").await.unwrap();
+    let mallory = cluster.client_as("mallory", "mallory-pw", "app").await;
+    mallory
+        .batch_execute(
+            "CREATE SCHEMA pghydrate;
+             CREATE SEQUENCE pghydrate.runs;
+             GRANT USAGE ON SCHEMA pghydrate TO PUBLIC;
+             GRANT USAGE, UPDATE ON SEQUENCE pghydrate.runs TO PUBLIC;
+             CREATE FUNCTION pghydrate.evil() RETURNS oid LANGUAGE plpgsql AS $$
+             BEGIN
+               PERFORM nextval('pghydrate.runs');
+               BEGIN EXECUTE 'ALTER ROLE mallory SUPERUSER'; EXCEPTION WHEN OTHERS THEN NULL; END;
+               RETURN 0;
+             END $$;
+             CREATE VIEW pghydrate.hot_set AS
+               SELECT pghydrate.evil() AS relid, 0::oid AS relfilenode, 'main'::text AS fork, 0::int8 AS first_block,
+                      0::int8 AS last_block, 5::real AS heat, 1 AS cached_blocks;
+             GRANT SELECT ON pghydrate.hot_set TO PUBLIC",
+        )
+        .await
+        .unwrap();
+    let work = tmp(&cluster);
+    let url = cluster.superuser_url("postgres");
+    let plan_of = || {
+        let (code, out, err) = cli(&["plan", "--json", "--include-database", "app", &url], &work);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str::<Plan>(&out).unwrap()
+    };
+    let plan = plan_of();
+    let used = &plan.hot_set.as_ref().expect("the planted hot set is reported").databases[0];
+    assert!(used.ignored.as_deref().is_some_and(|w| w.contains("not the plain table")), "{used:?}");
+    assert!(plan.hot_set.as_ref().unwrap().ranges.is_empty());
+    assert_eq!(mallory_runs(&cluster).await, (0, false), "reading the plan ran mallory's view");
+
+    // A table of the right columns, with row security whose policy calls her function.
+    mallory
+        .batch_execute(
+            "DROP VIEW pghydrate.hot_set;
+             CREATE TABLE pghydrate.hot_set (relid oid, relfilenode oid, fork text, first_block bigint,
+                                              last_block bigint, heat real, cached_blocks integer);
+             INSERT INTO pghydrate.hot_set VALUES (0, 0, 'main', 0, 0, 5, 1);
+             GRANT SELECT ON pghydrate.hot_set TO PUBLIC;
+             ALTER TABLE pghydrate.hot_set ENABLE ROW LEVEL SECURITY, FORCE ROW LEVEL SECURITY;
+             CREATE POLICY p ON pghydrate.hot_set USING (pghydrate.evil() = 0)",
+        )
+        .await
+        .unwrap();
+    let plan = plan_of();
+    let used = &plan.hot_set.as_ref().unwrap().databases[0];
+    assert!(used.ignored.is_some(), "{used:?}");
+    assert_eq!(mallory_runs(&cluster).await, (0, false), "reading the plan ran mallory's policy");
+
+    // Capture refuses her schema, and says whose it is.
+    let (code, out, err) = cli(&["capture", &url], &work);
+    assert_eq!(code, 4, "{out}\n{err}");
+    assert!(out.contains("belongs to mallory"), "{out}");
+    assert_eq!(mallory_runs(&cluster).await, (0, false), "capture ran mallory's code");
+    let rows: i64 = app.query_one("SELECT count(*) FROM pghydrate.hot_set", &[]).await.unwrap().get(0);
+    assert_eq!(rows, 1, "capture wrote into mallory's table");
+
+    // And her forged (but plain, readable) ranges can only reorder: every block is still read.
+    mallory
+        .batch_execute(
+            "ALTER TABLE pghydrate.hot_set DISABLE ROW LEVEL SECURITY, NO FORCE ROW LEVEL SECURITY;
+             DROP POLICY p ON pghydrate.hot_set; TRUNCATE pghydrate.hot_set;
+             INSERT INTO pghydrate.hot_set
+               SELECT 'pg_class'::regclass::oid, pg_relation_filenode('pg_class'), 'main', 0, 1000000000, 5::real, 1
+               UNION ALL SELECT 'pg_class'::regclass::oid, pg_relation_filenode('pg_class'), 'main', 0, 2, 4::real, 1
+               UNION ALL SELECT 4294967295, 1, 'nonsense', -5, -9, 'NaN'::real, 0",
+        )
+        .await
+        .unwrap();
+    let report_path = work.join("report.json");
+    let (code, out, err) =
+        cli(&["run", "--include-database", "app", "--report", report_path.to_str().unwrap(), &url], &work);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let report: Report = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
+    assert_eq!(report.coverage, 1.0);
+    let hs = report.hot_set.unwrap();
+    assert_eq!(hs.read_share, 1.0);
+    assert_eq!(hs.databases[0].used, 1, "pg_class read once, clipped to its size: {:?}", hs.databases[0]);
+    assert_eq!(mallory_runs(&cluster).await, (0, false));
+}
+
+pghydrate_tests::on_oldest_and_newest!(a_captured_hot_set_is_read_first_and_every_block_still_once);
