@@ -7,7 +7,7 @@ export CARGO_TARGET_DIR ?= $(PGHYDRATE_HOME)/target
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: setup build demo test e2e twin-up twin-down bench bench-matrix bench-workflow bench-plan unit check-infra bench-modes clean-demo
+.PHONY: setup build demo test e2e twin-up twin-down bench bench-matrix bench-workflow bench-capture bench-normal bench-plan unit check-infra bench-modes clean-demo
 
 setup:
 	bash scripts/setup.sh
@@ -57,6 +57,16 @@ bench-matrix: setup
 bench-workflow: setup
 	bash twin/up.sh --venv
 	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench-workflow.py $(BENCH_ARGS)
+
+## What `pghydrate capture` costs with full shared buffers (whole relations, and every other block cached).
+bench-capture: setup
+	bash twin/up.sh --venv
+	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench-capture.py $(BENCH_ARGS)
+
+## Time to normal: a Zipfian read workload's p95 after a restore, with no hydration, the recipe, pghydrate without and with a captured hot set.
+bench-normal: setup
+	bash twin/up.sh --venv
+	$(PGHYDRATE_HOME)/twinvenv/bin/python scripts/bench-normal.py $(BENCH_ARGS)
 
 bench-plan: setup
 	$(CARGO) build --release --locked -p pghydrate-cli

@@ -158,7 +158,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         }
     }
 
-    let (spans, mut uses) = match_hot_sets(&forks, stored_hot);
+    let (spans, mut uses) = match_hot_sets(&forks, stored_hot, server.block_size);
     let (ranges, hot_ranges) = order_ranges(&forks, &opts.first, opts.range_blocks, &spans);
     for u in &mut uses {
         u.used = 0;
@@ -355,7 +355,9 @@ async fn plan_database(
 fn match_hot_sets(
     forks: &[ForkEntry],
     stored: Vec<(String, crate::hotset::StoredHotSet)>,
+    block_size: u64,
 ) -> (Vec<crate::plan::HotSpan>, Vec<crate::hotset::HotSetUse>) {
+    let align = (crate::hotset::FETCH_BYTES / block_size.max(1)).max(1);
     let index: std::collections::HashMap<(&str, u32, Fork), usize> =
         forks.iter().enumerate().map(|(i, f)| ((f.database.as_str(), f.oid, f.fork), i)).collect();
     let mut spans = Vec::new();
@@ -392,12 +394,10 @@ fn match_hot_sets(
                 continue;
             }
             u.used += 1;
-            spans.push(crate::plan::HotSpan {
-                fork: i as u32,
-                first: r.first as u64,
-                last: r.last as u64,
-                heat: r.heat,
-            });
+            // Whole snapshot blocks: the first read of any block fetches its whole 512 KiB, so the
+            // rest of it costs nothing more now, and the plan gets far fewer, larger ranges.
+            let (first, last) = crate::hotset::aligned(r.first as u64, r.last as u64, align);
+            spans.push(crate::plan::HotSpan { fork: i as u32, first, last, heat: r.heat });
         }
         info!(database = %db, captured_at = ?u.captured_at, stored = u.stored, used = u.used, dropped = u.dropped,
               rewritten = u.rewritten, truncated = u.truncated, not_planned = u.not_planned, "captured hot set");

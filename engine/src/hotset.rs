@@ -40,6 +40,16 @@ use crate::plan::{BlockRange, Fork};
 
 /// Ranges per database a capture keeps at most (see the module's size note).
 pub const DEFAULT_MAX_RANGES: usize = 65_536;
+/// The unit a lazily loaded volume fetches: EBS snapshots store 512 KiB blocks, and the first read of
+/// any part of one fetches all of it. Replay widens each hot range to whole units of this size.
+pub const FETCH_BYTES: u64 = 512 * 1024;
+
+/// `[first, last]` widened to whole units of `align` blocks (the plan clips to the fork's end).
+pub fn aligned(first: u64, last: u64, align: u64) -> (u64, u64) {
+    let align = align.max(1);
+    (first - first % align, last.saturating_add(align - 1 - last % align))
+}
+
 /// Rows replay reads at most from one database's hot set: a table grown by hand or by someone hostile
 /// cannot grow the plan without bound.
 pub const READ_LIMIT: i64 = 1_000_000;
@@ -862,6 +872,14 @@ mod tests {
         assert_eq!(c.ranges.len(), DEFAULT_MAX_RANGES);
         assert_eq!(cached_blocks(&c.ranges), relations * per_relation);
         assert_eq!(c.largest_gap_merged, 1);
+    }
+
+    #[test]
+    fn hot_ranges_widen_to_whole_fetch_units() {
+        assert_eq!(aligned(0, 0, 64), (0, 63));
+        assert_eq!(aligned(70, 130, 64), (64, 191));
+        assert_eq!(aligned(64, 127, 64), (64, 127));
+        assert_eq!(aligned(5, 9, 1), (5, 9));
     }
 
     #[test]
