@@ -11,6 +11,7 @@ capture, and the table's size. Needs root (the server runs as the pghydrate user
 """
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "twin"))
 from twin import HOME, PASSWORD, RUN_AS, Postgres  # noqa: E402
 
-import os  # noqa: E402
 
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR", HOME / "target"))
 PGHYDRATE = TARGET / "release" / "pghydrate"

@@ -28,9 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-import importlib  # noqa: E402
-
-bench = importlib.import_module("bench")
+import bench  # noqa: E402
 PASSWORD = bench.PASSWORD
 
 
@@ -168,7 +166,6 @@ def main():
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print()
-    rate = None
     print(f"baseline p95 {results['baseline_p95_ms']:.2f} ms; hot set {results['hot_bytes'] / 2**20:.1f} MiB; "
           f"volume {args.concurrency} fetches at once, {args.latency} each; {args.clients} pgbench clients, "
           f"zipf {args.zipf}, {args.seconds} s")
@@ -180,7 +177,6 @@ def main():
         full = f"{r['full_s']:.1f}" if r["full_s"] else "-"
         print(f"| {name} | {r['time_to_normal_s'] if r['time_to_normal_s'] is not None else 'never'} | "
               f"{r['tx']:,} | {full} | {at} |")
-    del rate
 
 
 if __name__ == "__main__":

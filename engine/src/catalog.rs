@@ -160,9 +160,6 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
 
     let (spans, mut uses) = match_hot_sets(&forks, stored_hot, server.block_size);
     let (ranges, hot_ranges) = order_ranges(&forks, &opts.first, opts.range_blocks, &spans);
-    for u in &mut uses {
-        u.used = 0;
-    }
     let hot_set = (!uses.is_empty()).then(|| {
         // What the hot phase reads, per database (a span may have been clipped, or read whole as a
         // `--first` table).
@@ -350,8 +347,8 @@ async fn plan_database(
 
 /// Matches each database's stored hot ranges to the plan's forks: a range whose relation is gone, was
 /// rewritten (its filenode changed), lies wholly past the fork's end now or belongs to a fork the plan
-/// does not read is counted and left out. Returns the spans to read first and, per database, what was
-/// used (`used` counts matched ranges; the caller recounts after ordering).
+/// does not read is counted and left out. Returns the spans to read first and, per database, what
+/// was left out (`used` is left to the caller, which counts the hot phase's ranges after ordering).
 fn match_hot_sets(
     forks: &[ForkEntry],
     stored: Vec<(String, crate::hotset::StoredHotSet)>,
@@ -370,6 +367,7 @@ fn match_hot_sets(
             ignored: hot.ignored.clone(),
             ..Default::default()
         };
+        let mut matched = 0;
         for r in &hot.ranges {
             let Some(now) = r.filenode_now else {
                 u.dropped += 1;
@@ -393,13 +391,13 @@ fn match_hot_sets(
                 u.truncated += 1;
                 continue;
             }
-            u.used += 1;
+            matched += 1;
             // Whole snapshot blocks: the first read of any block fetches its whole 512 KiB, so the
             // rest of it costs nothing more now, and the plan gets far fewer, larger ranges.
             let (first, last) = crate::hotset::aligned(r.first as u64, r.last as u64, align);
             spans.push(crate::plan::HotSpan { fork: i as u32, first, last, heat: r.heat });
         }
-        info!(database = %db, captured_at = ?u.captured_at, stored = u.stored, used = u.used, dropped = u.dropped,
+        info!(database = %db, captured_at = ?u.captured_at, stored = u.stored, matched, dropped = u.dropped,
               rewritten = u.rewritten, truncated = u.truncated, not_planned = u.not_planned, "captured hot set");
         uses.push(u);
     }

@@ -300,8 +300,19 @@ impl CaptureReport {
     }
 }
 
-fn query_error(context: &str, e: tokio_postgres::Error) -> Error {
-    Error::query(context, e)
+/// Whether the schema pghydrate exists here, and if so whether the login role owns it and who does.
+async fn schema_owner(
+    tx: &tokio_postgres::Transaction<'_>,
+) -> std::result::Result<Option<(bool, String)>, tokio_postgres::Error> {
+    Ok(tx
+        .query_opt(
+            "SELECT n.nspowner = (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = current_user),
+                    pg_catalog.pg_get_userbyid(n.nspowner)::text
+               FROM pg_catalog.pg_namespace n WHERE n.nspname = 'pghydrate'",
+            &[],
+        )
+        .await?
+        .map(|row| (row.get(0), row.get(1))))
 }
 
 /// Captures the hot set of every database with cached blocks (see the module documentation).
@@ -320,7 +331,7 @@ pub async fn capture(spec: &ConnectionSpec, opts: &CaptureOptions) -> Result<Cap
         ));
     }
     let Some(read) =
-        crate::sql::buffercache_runs(&client).await.map_err(|e| query_error("finding pg_buffercache", e))?
+        crate::sql::buffercache_runs(&client).await.map_err(|e| Error::query("finding pg_buffercache", e))?
     else {
         return Err(Error::Unsupported(format!(
             "pg_buffercache is not installed in database {first_db:?}; fix: CREATE EXTENSION pg_buffercache (as a \
@@ -350,12 +361,12 @@ pub async fn capture(spec: &ConnectionSpec, opts: &CaptureOptions) -> Result<Cap
             &[],
         )
         .await
-        .map_err(|e| query_error("reading shared_buffers", e))?;
+        .map_err(|e| Error::query("reading shared_buffers", e))?;
     let shared_buffers = settings.get::<_, i64>(0) as u64;
     let dbs = client
         .query("SELECT oid, datname::text, datallowconn AND NOT datistemplate FROM pg_catalog.pg_database", &[])
         .await
-        .map_err(|e| query_error("listing databases", e))?;
+        .map_err(|e| Error::query("listing databases", e))?;
     drop(client);
     let names: HashMap<u32, (String, bool)> = dbs.iter().map(|r| (r.get(0), (r.get(1), r.get(2)))).collect();
 
@@ -449,7 +460,7 @@ async fn capture_database(
             &[&ts, &fns],
         )
         .await
-        .map_err(|e| query_error("resolving filenodes to relations", e))?;
+        .map_err(|e| Error::query("resolving filenodes to relations", e))?;
     let relids: HashMap<(u32, u32), u32> =
         resolved.iter().filter_map(|r| Some(((r.get(0), r.get(1)), r.get::<_, Option<u32>>(2)?))).collect();
     let mut cached = Vec::with_capacity(runs.len());
@@ -467,35 +478,25 @@ async fn capture_database(
     d.largest_gap_merged = c.largest_gap_merged;
     d.forks_dropped = c.forks_dropped;
 
-    let tx = client.transaction().await.map_err(|e| query_error("starting the capture's transaction", e))?;
-    let schema = tx
-        .query_opt(
-            "SELECT n.nspowner = (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = current_user),
-                    pg_catalog.pg_get_userbyid(n.nspowner)::text
-               FROM pg_catalog.pg_namespace n WHERE n.nspname = 'pghydrate'",
-            &[],
-        )
-        .await
-        .map_err(|e| query_error("looking for the schema pghydrate", e))?;
+    let tx = client.transaction().await.map_err(|e| Error::query("starting the capture's transaction", e))?;
+    let schema = schema_owner(&tx).await.map_err(|e| Error::query("looking for the schema pghydrate", e))?;
     match schema {
         None => tx.batch_execute("CREATE SCHEMA pghydrate").await.map_err(|e| {
-            let fix =
-                format!("; fix: GRANT CREATE ON DATABASE {} TO {}", quote_ident(db), quote_ident(&server.login_role));
-            let mut err = query_error("creating the schema pghydrate", e);
-            if let Error::Query { context, .. } = &mut err {
-                context.push_str(&fix);
-            }
-            err
+            let context = format!(
+                "creating the schema pghydrate; fix: GRANT CREATE ON DATABASE {} TO {}",
+                quote_ident(db),
+                quote_ident(&server.login_role)
+            );
+            Error::query(context, e)
         })?,
-        Some(row) if !row.get::<_, bool>(0) => {
-            let owner: String = row.get(1);
+        Some((false, owner)) => {
             return Err(Error::InvalidInput(format!(
                 "the schema pghydrate in database {db:?} belongs to {owner}, not {}: refusing to write into a schema \
                  someone else controls; its owner can drop it (DROP SCHEMA pghydrate CASCADE) or run the capture",
                 server.login_role
             )));
         }
-        Some(_) => {}
+        Some((true, _)) => {}
     }
     tx.batch_execute(
         "CREATE TABLE IF NOT EXISTS pghydrate.hot_set (relid oid NOT NULL, relfilenode oid NOT NULL, fork text NOT NULL,
@@ -507,7 +508,7 @@ async fn capture_database(
                                                      largest_gap_merged bigint NOT NULL, forks_dropped integer NOT NULL)",
     )
     .await
-    .map_err(|e| query_error("creating pghydrate.hot_set", e))?;
+    .map_err(|e| Error::query("creating pghydrate.hot_set", e))?;
     // Ours, plain, and nothing attached that would run on our writes.
     let checks = tx
         .query(
@@ -522,7 +523,7 @@ async fn capture_database(
             &[],
         )
         .await
-        .map_err(|e| query_error("checking pghydrate.hot_set", e))?;
+        .map_err(|e| Error::query("checking pghydrate.hot_set", e))?;
     if checks.len() != 2 || checks.iter().any(|r| !r.get::<_, bool>(1)) {
         return Err(Error::InvalidInput(format!(
             "pghydrate.hot_set or pghydrate.capture in database {db:?} is not a plain table of {} without triggers, \
@@ -542,7 +543,7 @@ async fn capture_database(
          TRUNCATE pghydrate.hot_set, pghydrate.capture",
     )
     .await
-    .map_err(|e| query_error("replacing the previous capture", e))?;
+    .map_err(|e| Error::query("replacing the previous capture", e))?;
     tx.execute(
         "INSERT INTO pghydrate.hot_set (relid, relfilenode, fork, first_block, last_block, heat, cached_blocks)
          SELECT * FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.oid[]), pg_catalog.unnest($2::pg_catalog.oid[]),
@@ -552,7 +553,7 @@ async fn capture_database(
         &[&relid, &filenode, &fork, &first, &last, &heat, &cached_blocks],
     )
     .await
-    .map_err(|e| query_error("writing pghydrate.hot_set", e))?;
+    .map_err(|e| Error::query("writing pghydrate.hot_set", e))?;
     let tool = concat!("pghydrate ", env!("CARGO_PKG_VERSION"));
     tx.execute(
         "INSERT INTO pghydrate.capture VALUES (pg_catalog.now(), $1, $2, $3, $4, $5, $6, $7, $8)",
@@ -568,8 +569,8 @@ async fn capture_database(
         ],
     )
     .await
-    .map_err(|e| query_error("writing pghydrate.capture", e))?;
-    tx.commit().await.map_err(|e| query_error("committing the capture", e))?;
+    .map_err(|e| Error::query("writing pghydrate.capture", e))?;
+    tx.commit().await.map_err(|e| Error::query("committing the capture", e))?;
     d.table_bytes = client
         .query_one("SELECT pg_catalog.pg_total_relation_size('pghydrate.hot_set'::pg_catalog.regclass)", &[])
         .await
@@ -589,7 +590,7 @@ pub async fn drop_capture(spec: &ConnectionSpec) -> Result<Vec<(String, std::res
             &[],
         )
         .await
-        .map_err(|e| query_error("listing databases", e))?
+        .map_err(|e| Error::query("listing databases", e))?
         .iter()
         .map(|r| r.get(0))
         .filter(|d: &String| !crate::catalog::DEFAULT_EXCLUDED_DATABASES.contains(&d.as_str()))
@@ -600,21 +601,10 @@ pub async fn drop_capture(spec: &ConnectionSpec) -> Result<Vec<(String, std::res
         let result = async {
             let mut c = spec.connect(&db).await.map_err(|e| e.to_string())?;
             let tx = c.transaction().await.map_err(|e| describe(&e))?;
-            let schema = tx
-                .query_opt(
-                    "SELECT n.nspowner = (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = current_user),
-                            pg_catalog.pg_get_userbyid(n.nspowner)::text
-                       FROM pg_catalog.pg_namespace n WHERE n.nspname = 'pghydrate'",
-                    &[],
-                )
-                .await
-                .map_err(|e| describe(&e))?;
-            match schema {
+            match schema_owner(&tx).await.map_err(|e| describe(&e))? {
                 None => Ok(false),
-                Some(row) if !row.get::<_, bool>(0) => {
-                    Err(format!("the schema pghydrate belongs to {}: left alone", row.get::<_, String>(1)))
-                }
-                Some(_) => {
+                Some((false, owner)) => Err(format!("the schema pghydrate belongs to {owner}: left alone")),
+                Some((true, _)) => {
                     tx.batch_execute(
                         "DROP TABLE IF EXISTS pghydrate.hot_set, pghydrate.capture; DROP SCHEMA pghydrate RESTRICT",
                     )
@@ -723,7 +713,7 @@ pub(crate) async fn read_stored(client: &Client, db: &str) -> Result<Option<Stor
             &[],
         )
         .await
-        .map_err(|e| query_error("looking for a captured hot set", e))?;
+        .map_err(|e| Error::query("looking for a captured hot set", e))?;
     let find = |name: &str| rels.iter().find(|r| r.get::<_, String>(0) == name);
     let Some(hot) = find("hot_set") else { return Ok(None) };
     let plain = |r: &tokio_postgres::Row, columns: &[&str]| {
@@ -755,7 +745,7 @@ pub(crate) async fn read_stored(client: &Client, db: &str) -> Result<Option<Stor
             &[&(READ_LIMIT + 1)],
         )
         .await
-        .map_err(|e| query_error("reading pghydrate.hot_set", e))?;
+        .map_err(|e| Error::query("reading pghydrate.hot_set", e))?;
     let truncated = rows.len() as i64 > READ_LIMIT;
     let ranges = rows
         .iter()

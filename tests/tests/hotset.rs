@@ -153,8 +153,8 @@ async fn a_captured_hot_set_is_read_first_and_every_block_still_once(major: u32)
     assert!(serde_json::from_str::<Plan>(&out).unwrap().hot_set.is_none());
 }
 
-/// Buffers as scattered as they get (every other block of a table) are stored as ranges of about 64
-/// bytes each, so the default cap (65,536 ranges) stays under 5 MiB; `--max-ranges` is a hard cap that
+/// Buffers as scattered as they get (every other block of a table) are stored as ranges of about 71
+/// bytes each (measured), so the default cap (65,536 ranges) stays under 5 MiB; `--max-ranges` is a hard cap that
 /// merges the smallest gaps and keeps every cached block.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capture_is_bounded_and_small() {
