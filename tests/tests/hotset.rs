@@ -331,4 +331,103 @@ async fn a_planted_hot_set_runs_nothing_and_is_not_written_into() {
     assert_eq!(mallory_runs(&cluster).await, (0, false));
 }
 
+async fn has_capture_schema(c: &tokio_postgres::Client) -> bool {
+    let n: i64 =
+        c.query_one("SELECT count(*) FROM pg_namespace WHERE nspname = 'pghydrate'", &[]).await.unwrap().get(0);
+    n > 0
+}
+
+/// What a user meets before capture can work, each refused with its fix and nothing written: no
+/// pg_buffercache in the database it connects to, a login role that may not read it (no pg_monitor), and a
+/// standby (a read replica cannot be written; the capture belongs on the primary). A read replica created
+/// after a capture carries it and replays it: the hot blocks come first there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capture_says_what_it_needs_and_a_replica_replays_the_primarys_capture() {
+    let primary = Cluster::start(15, &["shared_buffers = 64MB"]);
+    {
+        let admin = primary.client("postgres").await;
+        admin.batch_execute("CREATE DATABASE app").await.unwrap();
+        admin
+            .batch_execute("CREATE ROLE viewer LOGIN PASSWORD 'viewer-pw'; GRANT CREATE ON DATABASE app TO viewer")
+            .await
+            .unwrap();
+        primary
+            .client("app")
+            .await
+            .batch_execute(
+                "CREATE EXTENSION pg_prewarm;
+                 CREATE TABLE hot (id int PRIMARY KEY, v text);
+                 INSERT INTO hot SELECT i, 'h' || i FROM generate_series(1, 20000) i;
+                 CREATE TABLE cold (id int, v text);
+                 INSERT INTO cold SELECT i, 'c' || i FROM generate_series(1, 200000) i;
+                 CHECKPOINT",
+            )
+            .await
+            .unwrap();
+    }
+    // An empty cache, then only hot is read.
+    primary.restart();
+    let admin = primary.client("postgres").await;
+    let app = primary.client("app").await;
+    app.query_one("SELECT count(*) FROM hot", &[]).await.unwrap();
+    let work = tmp(&primary);
+    let url = primary.superuser_url("postgres");
+    // No pg_buffercache: exit 2, the CREATE EXTENSION and the GRANT to run.
+    let (code, out, err) = cli(&["capture", &url], &work);
+    assert_eq!(code, 2, "{out}\n{err}");
+    let err = format!("{out}{err}");
+    assert!(
+        err.contains("pg_buffercache is not installed") && err.contains("CREATE EXTENSION pg_buffercache"),
+        "{err}"
+    );
+    assert!(!has_capture_schema(&app).await, "nothing written");
+
+    // A role without pg_monitor: pg_buffercache is there but not readable to it.
+    admin.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
+    let viewer_url = primary.url("viewer", "viewer-pw", "postgres");
+    let (code, out, err) = cli(&["capture", &viewer_url], &work);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(err.contains("may not read pg_buffercache") && err.contains("GRANT pg_monitor TO \"viewer\""), "{err}");
+    assert!(!has_capture_schema(&app).await, "nothing written");
+    // With the grant it captures (it may create the schema in app: it has CREATE there).
+    admin.batch_execute("GRANT pg_monitor TO viewer").await.unwrap();
+    let (code, out, err) = cli(&["capture", "--json", "--include-database", "app", &viewer_url], &work);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let owner: String = app
+        .query_one("SELECT pg_get_userbyid(nspowner)::text FROM pg_namespace WHERE nspname = 'pghydrate'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(owner, "viewer");
+    let stored: i64 = app
+        .query_one("SELECT count(*) FROM pghydrate.hot_set WHERE relid = 'hot'::regclass", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(stored >= 1, "the hot table was captured");
+
+    // The replica: capture refused there, the primary's capture replayed first.
+    let standby = primary.start_standby();
+    let standby_url = standby.superuser_url("postgres");
+    let swork = tmp(&standby);
+    let (code, out, err) = cli(&["capture", &standby_url], &swork);
+    assert_eq!(code, 2, "{out}\n{err}");
+    assert!(err.contains("standby") && err.contains("primary"), "{err}");
+    let (code, out, err) = cli(&["plan", "--json", "--include-database", "app", &standby_url], &swork);
+    assert_eq!(code, 0, "{err}");
+    let plan: Plan = serde_json::from_str(&out).unwrap();
+    let sapp = standby.client("app").await;
+    let hot = oid_of(&sapp, "hot").await;
+    let cold = oid_of(&sapp, "cold").await;
+    assert!(hot_blocks(&plan, "app", hot) >= 1, "the replica's plan reads the primary's hot set first");
+    assert_eq!(hot_blocks(&plan, "app", cold), 0, "cold was never cached");
+    let position = |oid: u32| {
+        plan.ranges.iter().position(|r| {
+            let f = plan.fork(r);
+            f.database == "app" && f.oid == oid
+        })
+    };
+    assert!(position(hot).unwrap() < position(cold).unwrap(), "hot is read before cold on the replica");
+}
+
 pghydrate_tests::on_oldest_and_newest!(a_captured_hot_set_is_read_first_and_every_block_still_once);
