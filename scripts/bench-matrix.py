@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--majors", default="15")
     ap.add_argument("--sweep", default="4,8,16,32,64")
     ap.add_argument("--volumes", default=",".join(VOLUMES), help="comma-separated names: " + ", ".join(VOLUMES))
+    ap.add_argument("--fuse-threads", type=int, default=32, help="passed to bench.py")
     ap.add_argument("--out", default=str(ROOT / "bench"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -46,7 +47,7 @@ def main():
     for name in args.volumes.split(","):
         vout = out / f"matrix-{name}"
         cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--majors", args.majors, "--quick",
-               "--only", "pghydrate,recipe", "--sweep", args.sweep, "--out", str(vout), *VOLUMES[name]]
+               "--only", "pghydrate,recipe", "--sweep", args.sweep, "--fuse-threads", str(args.fuse_threads), "--out", str(vout), *VOLUMES[name]]
         print(f"bench-matrix: {name}: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, check=True)
         res = json.loads((vout / "results.json").read_text())

@@ -84,7 +84,8 @@ class Bench:
                          bandwidth_mib=self.args.bandwidth_mib, iops=self.args.iops,
                          throughput_mib=self.args.throughput_mib, burst_seconds=self.args.burst_seconds,
                          burst_iops=self.args.burst_iops, burst_throughput_mib=self.args.burst_throughput_mib,
-                         latency_jitter=self.args.latency_jitter, seed=self.args.seed)
+                         latency_jitter=self.args.latency_jitter, seed=self.args.seed,
+                         threads=getattr(self.args, "fuse_threads", 32))
         self.pg.start()
         return self.vol.status()
 
@@ -125,14 +126,19 @@ class Bench:
     # --- strategies ------------------------------------------------------------------------------------
     def pghydrate(self, *opts):
         report = self.workdir / "report.json"
+        report.unlink(missing_ok=True)
         p = subprocess.Popen([str(PGHYDRATE), "run", self.url, "--tls", "disable", "--maintenance", "none",
                               "--progress", "none", "--report", str(report), *opts],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, PGHYDRATE_LOG="error"))
         r = self.watch(p, self.args.limit)
+        if not report.exists():  # stopped at the limit before it finished
+            r["verified_coverage"] = None
+            return r
         rep = json.loads(report.read_text())
         r["verified_coverage"] = rep["coverage"]
         r["levels"] = rep.get("levels", [])
+        r["hot_set"] = rep.get("hot_set")
         return r
 
     def recipe(self, sessions=15):
@@ -232,6 +238,9 @@ def main():
     ap.add_argument("--burst-throughput-mib", type=float, default=0.0)
     ap.add_argument("--latency-jitter", default="0ms")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fuse-threads", type=int, default=32,
+                    help="the simulator's FUSE worker threads: requests it serves at once, hot or cold (the matrix "
+                    "of 2026-12-04 ran with 32, so its 64-deep volume served at most 32 reads at once)")
     ap.add_argument("--extra", default="", help="one more pghydrate run with these options (space-separated)")
     ap.add_argument("--sweep", default="", help="also run pghydrate with each of these fixed --sessions "
                     "(comma-separated), e.g. 4,8,16,32,64")
@@ -294,7 +303,7 @@ def main():
         for r in runs:
             full = f"{r['full_s']:.1f}" if r["full_s"] is not None else f"never ({r['final_hydrated']:.1%} after {r['samples'][-1][0]:.0f} s)"
             ratio = f"{r['full_s'] / ideal:.2f}" if r["full_s"] is not None else "-"
-            cov = f"{r['verified_coverage']:.3f}" if "verified_coverage" in r else "-"
+            cov = f"{r['verified_coverage']:.3f}" if r.get("verified_coverage") is not None else "-"
             table.append(f"| {major} | {r['strategy']} | {r['returned_s']:.1f} | {r['hydrated_at_return']:.1%} | {full} | {ratio} | {cov} |")
         table.append(f"| {major} | ideal (cold chunks x latency / concurrency) | | | {ideal:.1f} | 1.00 | |")
     text = "\n".join(table)

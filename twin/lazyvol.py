@@ -8,6 +8,12 @@
     vol.status()["hydrated"]                 # chunks fetched / chunks in the snapshot
 
 Remounting is the reset: the simulator starts all cold and the kernel's page cache of the mount is gone.
+
+`threads` is the simulator's FUSE worker threads: every request, hot or cold, needs one, and a cold read
+holds its thread for the fetch's latency. With more reads in flight than threads, reads of chunks already
+fetched queue too: a limit of the simulator, not of a volume (it made the application's p95 relapse in
+bench-normal while 48 sessions read; docs/benchmark.md). Benchmarks that run more sessions than 32 beside
+an application set it above their sessions.
 """
 import json
 import os
@@ -35,13 +41,13 @@ class Volume:
 
     def mount(self, latency="10ms", concurrency=8, bandwidth_mib=0.0, chunk_bytes=512 * 1024, iops=0.0,
               throughput_mib=0.0, burst_seconds="0s", burst_iops=0.0, burst_throughput_mib=0.0,
-              latency_jitter="0ms", seed=1):
+              latency_jitter="0ms", seed=1, threads=32):
         if os.geteuid() != 0:
             raise RuntimeError("the lazy volume mounts with mount(2): run as root")
         self.params = dict(latency=latency, concurrency=concurrency, bandwidth_mib=bandwidth_mib, chunk_bytes=chunk_bytes,
                            iops=iops, throughput_mib=throughput_mib, burst_seconds=burst_seconds,
                            burst_iops=burst_iops, burst_throughput_mib=burst_throughput_mib,
-                           latency_jitter=latency_jitter, seed=seed)
+                           latency_jitter=latency_jitter, seed=seed, threads=threads)
         self.status_file.unlink(missing_ok=True)
         args = [str(self.binary), str(self.back), str(self.mnt), "--status", str(self.status_file)]
         for k, v in self.params.items():
