@@ -196,6 +196,8 @@ def main():
                     help="the simulator's FUSE worker threads (requests it serves at once, hot or cold)")
     ap.add_argument("--extra", action="append", default=[],
                     help="one more pghydrate strategy with these options, e.g. \"--sessions 4\" (repeatable)")
+    ap.add_argument("--compare-bin", action="append", default=[], metavar="LABEL=PATH",
+                    help="also run every pghydrate strategy with this other build, named [LABEL] (repeatable)")
     ap.add_argument("--only", default="", help="comma-separated texts: run the strategies whose name has one")
     ap.add_argument("--out", default=str(ROOT / "bench" / "normal.json"))
     args = ap.parse_args()
@@ -210,6 +212,7 @@ def main():
                                   burst_seconds="0s", burst_iops=0.0, burst_throughput_mib=0.0,
                                   latency_jitter="0ms", seed=1, limit=args.seconds, recipe_limit=args.seconds,
                                   fuse_threads=args.fuse_threads)
+    compare = bench.compare_bins(args.compare_bin)
     b = bench.Bench(args.major, vol_args)
     results = {"parameters": vars(args), "strategies": {}}
     try:
@@ -245,15 +248,18 @@ def main():
                        baseline_p95=base, normal_limit_ms=limit, floor_limit_ms=floor_limit,
                        volume_mib_per_s=rate_mib, hot_set_seconds=hot_bytes / 2**20 / rate_mib)
 
+        def ph(name, *opts):  # a pghydrate strategy, and the same with each --compare-bin build
+            return {name: lambda: b.pghydrate(*opts), **{
+                f"{name} [{label}]": (lambda path=path: b.pghydrate(*opts, binary=path)) for label, path in compare}}
         strategies = {
             "lazy loading only": None,
             "published recipe": lambda: b.recipe(),
-            "pghydrate --no-hot-set": lambda: b.pghydrate("--no-hot-set"),
-            "pghydrate --no-hot-set --first big": lambda: b.pghydrate("--no-hot-set", "--first", "big"),
-            "pghydrate (captured hot set)": lambda: b.pghydrate(),
+            **ph("pghydrate --no-hot-set", "--no-hot-set"),
+            **ph("pghydrate --no-hot-set --first big", "--no-hot-set", "--first", "big"),
+            **ph("pghydrate (captured hot set)"),
         }
         for extra in args.extra:
-            strategies[f"pghydrate {extra} (captured hot set)"] = (lambda e=extra: b.pghydrate(*e.split()))
+            strategies.update(ph(f"pghydrate {extra} (captured hot set)", *extra.split()))
         only = [s.strip() for s in args.only.split(",") if s.strip()]
         for name, strategy in strategies.items():
             if only and not any(o in name for o in only):

@@ -124,10 +124,11 @@ class Bench:
                 "final_hydrated": samples[-1][1], "samples": samples}
 
     # --- strategies ------------------------------------------------------------------------------------
-    def pghydrate(self, *opts):
+    def pghydrate(self, *opts, binary=None):
+        """Runs `pghydrate run` (this checkout's release build, or `binary`: another build to compare)."""
         report = self.workdir / "report.json"
         report.unlink(missing_ok=True)
-        p = subprocess.Popen([str(PGHYDRATE), "run", self.url, "--tls", "disable", "--maintenance", "none",
+        p = subprocess.Popen([str(binary or PGHYDRATE), "run", self.url, "--tls", "disable", "--maintenance", "none",
                               "--progress", "none", "--report", str(report), *opts],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, PGHYDRATE_LOG="error"))
@@ -223,6 +224,17 @@ def svg(results: dict, path: Path):
     path.write_text("\n".join(out))
 
 
+def compare_bins(specs):
+    """`LABEL=PATH` options: other pghydrate builds to run beside this checkout's (e.g. before a change)."""
+    out = []
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not Path(path).is_file() or not os.access(path, os.X_OK):
+            raise SystemExit(f"bench: --compare-bin {spec!r}: expected LABEL=PATH of an executable pghydrate")
+        out.append((label, Path(path)))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--majors", default="15,18")
@@ -242,6 +254,8 @@ def main():
                     help="the simulator's FUSE worker threads: requests it serves at once, hot or cold (the matrix "
                     "of 2026-12-04 ran with 32, so its 64-deep volume served at most 32 reads at once)")
     ap.add_argument("--extra", default="", help="one more pghydrate run with these options (space-separated)")
+    ap.add_argument("--compare-bin", action="append", default=[], metavar="LABEL=PATH",
+                    help="also run every pghydrate strategy with this other build, named [LABEL] (repeatable)")
     ap.add_argument("--sweep", default="", help="also run pghydrate with each of these fixed --sessions "
                     "(comma-separated), e.g. 4,8,16,32,64")
     ap.add_argument("--limit", type=float, default=300, help="seconds to wait for 100%% per strategy")
@@ -254,24 +268,29 @@ def main():
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("bench: needs root (FUSE mount; the servers run as the pghydrate user)")
+    compare = compare_bins(args.compare_bin)
     results = {"parameters": vars(args), "databases": {}, "runs": {}, "ideal_s": {}}
     for major in [int(m) for m in args.majors.split(",")]:
         b = Bench(major, args)
         try:
             results["databases"][major] = b.load()
             runs = []
-            strategies = [("pghydrate (defaults)", lambda: b.pghydrate()),
-                          ("published recipe: prefetch, 1 relation/call, 15 sessions", lambda: b.recipe()),
-                          (f"cat of the files, {args.concurrency} at once", lambda: b.cat(args.concurrency))]
+            def ph(name, *opts):  # a pghydrate strategy, and the same with each --compare-bin build
+                return [(name, lambda: b.pghydrate(*opts))] + [
+                    (f"{name} [{label}]", (lambda path=path: b.pghydrate(*opts, binary=path)))
+                    for label, path in compare]
+            strategies = ph("pghydrate (defaults)") + [
+                ("published recipe: prefetch, 1 relation/call, 15 sessions", lambda: b.recipe()),
+                (f"cat of the files, {args.concurrency} at once", lambda: b.cat(args.concurrency))]
             if not args.quick:
-                strategies += [(f"pghydrate --mode {m}", (lambda m=m: b.pghydrate("--mode", m)))
-                               for m in ("read", "buffer", "prefetch")]
-                strategies += [(f"pghydrate --sessions {n}", (lambda n=n: b.pghydrate("--sessions", str(n))))
-                               for n in (4, 16)]
-            strategies += [(f"pghydrate --sessions {n}", (lambda n=n: b.pghydrate("--sessions", str(n))))
-                           for n in [int(x) for x in args.sweep.split(",") if x]]
+                for m in ("read", "buffer", "prefetch"):
+                    strategies += ph(f"pghydrate --mode {m}", "--mode", m)
+                for n in (4, 16):
+                    strategies += ph(f"pghydrate --sessions {n}", "--sessions", str(n))
+            for n in [int(x) for x in args.sweep.split(",") if x]:
+                strategies += ph(f"pghydrate --sessions {n}", "--sessions", str(n))
             if args.extra:
-                strategies.append((f"pghydrate {args.extra}", lambda: b.pghydrate(*args.extra.split())))
+                strategies += ph(f"pghydrate {args.extra}", *args.extra.split())
             for name, run in strategies:
                 if args.only and not any(o and o in name for o in args.only.split(",")):
                     continue

@@ -339,10 +339,17 @@ impl HotSetPlan {
 /// 1. forks of tables matching a `first` pattern, whole, in pattern order (the user said so);
 /// 2. the captured hot set (`hot`), hottest span first, each block once however the spans overlap,
 ///    clipped to the fork's size now (a span wholly past it is dropped);
-/// 3. the rest: forks of at least one full range, largest first (so that no giant relation is the
-///    tail: its ranges are spread over every session), then the small forks grouped by database (so
-///    that sessions do not hop between databases), largest first; a fork with hot spans contributes
-///    only the blocks the hot phase did not read.
+/// 3. the rest: forks of at least one full range ("large"), newest blocks first, then the small forks
+///    grouped by database (so that sessions do not hop between databases), largest first; a fork with
+///    hot spans contributes only the blocks the hot phase did not read.
+///
+/// Newest first: a fork grows at its end (appended rows, pages split off an index), so its last blocks
+/// are the ones most recently added, which applications read most (recent rows, the right-most leaves
+/// of an index on a growing key). Each large fork's ranges go from its end back to its first block,
+/// interleaved across the large forks by the share of the fork that lies after the range (every large
+/// fork's last range, then every one's next, ...; ties: larger fork first). No giant relation is the
+/// tail either: all large forks end together, spread over every session. The `first` tables' large
+/// forks are ordered the same way, per pattern.
 ///
 /// Returns every range in reading order, and the hot phase's ranges. Every block of every readable
 /// fork is in exactly one range.
@@ -398,14 +405,32 @@ pub fn order_ranges(
     let mut ranges = Vec::new();
     let mut rest = Vec::new();
     let empty = std::collections::BTreeMap::new();
-    for (i, f) in readable {
-        let out = if priority(f) < first.len() { &mut ranges } else { &mut rest };
-        let fork_taken = taken.get(&(i as u32)).unwrap_or(&empty);
-        for (a, b) in uncovered(fork_taken, 0, f.blocks - 1) {
-            for (x, y) in split_blocks(b - a + 1, range_blocks) {
-                out.push(BlockRange { fork: i as u32, first: a + x, last: a + y });
+    // `readable` is sorted by priority: each pattern's forks, then the rest, each group large first.
+    for group in readable.chunk_by(|(_, a), (_, b)| priority(a) == priority(b)) {
+        let out = if priority(group[0].1) < first.len() { &mut ranges } else { &mut rest };
+        let mut large = Vec::new(); // (the fork's rank in the group, its blocks, a range)
+        let mut small = Vec::new();
+        for (rank, &(i, f)) in group.iter().enumerate() {
+            let fork_taken = taken.get(&(i as u32)).unwrap_or(&empty);
+            for (a, b) in uncovered(fork_taken, 0, f.blocks - 1) {
+                for (x, y) in split_blocks(b - a + 1, range_blocks) {
+                    let r = BlockRange { fork: i as u32, first: a + x, last: a + y };
+                    if f.blocks >= range_blocks {
+                        large.push((rank, f.blocks, r));
+                    } else {
+                        small.push(r);
+                    }
+                }
             }
         }
+        // The share of its fork after a range, (blocks - 1 - last) / blocks, compared exactly.
+        large.sort_by(|(rank_a, n_a, a), (rank_b, n_b, b)| {
+            let after_a = u128::from(n_a - 1 - a.last) * u128::from(*n_b);
+            let after_b = u128::from(n_b - 1 - b.last) * u128::from(*n_a);
+            after_a.cmp(&after_b).then(rank_a.cmp(rank_b))
+        });
+        out.extend(large.into_iter().map(|(_, _, r)| r));
+        out.extend(small);
     }
     ranges.extend(hot_ranges.iter().copied());
     ranges.extend(rest);
@@ -501,6 +526,14 @@ mod tests {
             }
             let mut per_fork: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = Default::default();
             for r in &ranges { per_fork.entry(r.fork).or_default().push((r.first, r.last)); }
+            // After the hot phase, every large fork is read newest first: its ranges' first blocks fall.
+            let mut after_hot: std::collections::BTreeMap<u32, Vec<u64>> = Default::default();
+            for r in &ranges[hot_ranges.len()..] { after_hot.entry(r.fork).or_default().push(r.first); }
+            for (fork, firsts) in &after_hot {
+                if forks[*fork as usize].blocks >= range_blocks {
+                    prop_assert!(firsts.windows(2).all(|w| w[0] > w[1]), "fork {} read {:?}", fork, firsts);
+                }
+            }
             for (i, f) in forks.iter().enumerate() {
                 let mut got = per_fork.remove(&(i as u32)).unwrap_or_default();
                 got.sort();
@@ -513,7 +546,7 @@ mod tests {
     }
 
     #[test]
-    fn priority_then_largest_then_small_by_database() {
+    fn priority_then_newest_first_then_small_by_database() {
         let forks = vec![
             fork("b", "small_b", 3),
             fork("a", "big", 100),
@@ -527,7 +560,38 @@ mod tests {
         let order: Vec<&str> = ranges.iter().map(|r| forks[r.fork as usize].name.as_str()).collect();
         assert_eq!(
             order,
-            ["urgent", "bigger", "bigger", "bigger", "bigger", "bigger", "bigger", "big", "big", "small_a", "small_b"]
+            ["urgent", "bigger", "big", "bigger", "bigger", "bigger", "big", "bigger", "bigger", "small_a", "small_b"]
         );
+        // Newest first: each large fork from its last range back to its first.
+        let firsts = |name: &str| -> Vec<u64> {
+            ranges.iter().filter(|r| forks[r.fork as usize].name == name).map(|r| r.first).collect()
+        };
+        assert_eq!(firsts("bigger"), [250, 200, 150, 100, 50, 0]);
+        assert_eq!(firsts("big"), [50, 0]);
+    }
+
+    /// A `--first` table's large forks are read newest first too, before everything else; a hot span
+    /// in the rest takes its blocks out of the newest-first order, not out of coverage.
+    #[test]
+    fn first_tables_and_hot_spans_newest_first() {
+        let forks = vec![fork("a", "log", 120), fork("a", "urgent", 100), fork("a", "small", 7)];
+        let first = vec![RelationPattern::parse("urgent").unwrap()];
+        let hot = [HotSpan { fork: 0, first: 40, last: 59, heat: 5.0 }];
+        let (ranges, hot_ranges) = order_ranges(&forks, &first, 50, &hot);
+        let got: Vec<(&str, u64, u64)> =
+            ranges.iter().map(|r| (forks[r.fork as usize].name.as_str(), r.first, r.last)).collect();
+        assert_eq!(
+            got,
+            [
+                ("urgent", 50, 99),
+                ("urgent", 0, 49),
+                ("log", 40, 59),
+                ("log", 110, 119),
+                ("log", 60, 109),
+                ("log", 0, 39),
+                ("small", 0, 6),
+            ]
+        );
+        assert_eq!(hot_ranges, [BlockRange { fork: 0, first: 40, last: 59 }]);
     }
 }
