@@ -15,9 +15,10 @@ setup:
 build:
 	$(CARGO) build --workspace --locked
 
-## Creates a local PostgreSQL with a sample database (~300 MiB), makes it cold, hydrates it.
+## Creates a local PostgreSQL with a sample database (~300 MiB) on a simulated lazy volume (where FUSE
+## mounts), times a query cold, hydrates, times it again.
 demo: setup
-	$(CARGO) build --release --locked -p pghydrate-cli
+	$(CARGO) build --release --locked -p pghydrate-cli -p pghydrate-lazyvol
 	PGHYDRATE_BIN=$(CARGO_TARGET_DIR)/release/pghydrate bash scripts/demo.sh
 
 ## Every test: unit tests, property tests, and the real-server tests on PostgreSQL 15, 16, 17, 18.
