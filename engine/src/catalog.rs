@@ -154,7 +154,26 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
 
     for p in opts.include.iter().chain(&opts.first) {
         if !forks.iter().any(|f| f.matched_by(p)) {
-            return Err(Error::InvalidInput(format!("relation pattern {:?} matches no relation", p.text)));
+            // Patterns name tables; a user who names an index (or a TOAST relation) is told where it goes.
+            let hint = forks
+                .iter()
+                .find_map(|f| {
+                    let what = match f.kind {
+                        RelKind::Index => "an index",
+                        RelKind::ToastTable => "the TOAST table",
+                        RelKind::ToastIndex => "the TOAST index",
+                        _ => return None,
+                    };
+                    p.matches(&f.database, &f.schema, &f.name).then(|| {
+                        format!(
+                            "; {:?} is {what} of the table {:?}: patterns name tables, and a table's indexes and \
+                             TOAST are read with it",
+                            f.name, f.table
+                        )
+                    })
+                })
+                .unwrap_or_default();
+            return Err(Error::InvalidInput(format!("relation pattern {:?} matches no relation{hint}", p.text)));
         }
     }
 

@@ -685,9 +685,13 @@ pub struct PlanSummary {
     /// Why fewer sessions than asked for (the server's free connection slots), if so.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sessions_note: Option<String>,
-    /// The captured hot sets the plan reads first (its first items), per database.
+    /// The captured hot sets the plan reads first (its first items): at most [`LISTED_SKIPS`]
+    /// databases listed, those where part of the capture was left out or ignored first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hot_set: Vec<crate::hotset::HotSetUse>,
+    /// Databases with a captured hot set, listed or not.
+    #[serde(default, skip_serializing_if = "is_zero_usize")]
+    pub hot_set_databases: usize,
     /// Bytes of the hot phase.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub hot_bytes: u64,
@@ -695,6 +699,22 @@ pub struct PlanSummary {
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
+}
+
+fn is_zero_usize(n: &usize) -> bool {
+    *n == 0
+}
+
+/// The hot-set uses a plan summary lists: one per database would outgrow the workflow's 256 KiB state
+/// on an instance with thousands of databases, so at most [`LISTED_SKIPS`], the ones that say
+/// something went wrong (ignored, or ranges left out) first; the summary counts the rest.
+pub fn listed_hot_sets(uses: &[crate::hotset::HotSetUse]) -> Vec<crate::hotset::HotSetUse> {
+    let mut listed: Vec<&crate::hotset::HotSetUse> = uses.iter().collect();
+    listed.sort_by_key(|u| {
+        let left_out = u.dropped + u.rewritten + u.truncated + u.not_planned;
+        (u.ignored.is_none(), left_out == 0)
+    });
+    listed.into_iter().take(LISTED_SKIPS).cloned().collect()
 }
 
 fn one_call() -> u32 {
@@ -777,7 +797,8 @@ pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanS
         calls: sizing.calls,
         sessions_per_call: sizing.sessions_per_call,
         sessions_note,
-        hot_set: plan.hot_set.as_ref().map(|h| h.databases.clone()).unwrap_or_default(),
+        hot_set: plan.hot_set.as_ref().map(|h| listed_hot_sets(&h.databases)).unwrap_or_default(),
+        hot_set_databases: plan.hot_set.as_ref().map_or(0, |h| h.databases.len()),
         hot_bytes: plan.hot_set.as_ref().map_or(0, |h| h.blocks() * bs),
     };
     Ok((summary, items))
@@ -863,6 +884,30 @@ mod tests {
             storage_progress: progress,
             ..InstanceView::default()
         }
+    }
+
+    /// An instance with thousands of databases, each with a capture: the plan summary lists a bounded
+    /// number of hot-set uses (those with something left out or ignored first) and counts them all.
+    #[test]
+    fn plan_summary_lists_a_bounded_number_of_hot_sets() {
+        let uses: Vec<crate::hotset::HotSetUse> = (0..10_000)
+            .map(|i| crate::hotset::HotSetUse {
+                database: format!("tenant_{i:05}"),
+                captured_at: Some("2026-12-04 12:00:00+00".into()),
+                stored: 65_536,
+                used: 65_536,
+                dropped: usize::from(i == 7_777),
+                ignored: (i == 9_999).then(|| "the table is not the one capture writes".to_string()),
+                ..Default::default()
+            })
+            .collect();
+        let listed = listed_hot_sets(&uses);
+        assert_eq!(listed.len(), LISTED_SKIPS);
+        assert_eq!(listed[0].database, "tenant_09999", "ignored first");
+        assert_eq!(listed[1].database, "tenant_07777", "then ranges left out");
+        let bytes = serde_json::to_vec(&listed).unwrap().len();
+        assert!(bytes < 8 * 1024, "{bytes} bytes listed");
+        assert!(serde_json::to_vec(&uses).unwrap().len() > STATE_LIMIT_BYTES, "unbounded would not fit");
     }
 
     #[test]

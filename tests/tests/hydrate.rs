@@ -474,6 +474,7 @@ async fn bad_input_gets_one_clear_line() {
         (vec!["run", &no_ca], 2, "CA bundle"),
         (vec!["run", &good, "--include-database", "nosuchdb"], 2, "matches no database"),
         (vec!["run", &good, "--include", "public.no_such_table"], 2, "matches no relation"),
+        (vec!["run", &good, "--first", "pg_class_oid_index"], 2, "is an index of the table \"pg_catalog.pg_class\""),
         (vec!["run", &good, "--sessions", "0"], 2, "--sessions"),
         (vec!["run", &good, "--mode", "fast"], 2, "--mode"),
         (vec!["run", &good, "--lock-timeout", "soon"], 2, "--lock-timeout"),
