@@ -6,7 +6,8 @@ The workload: the benchmark's skewed database (scripts/bench.py) on the lazy-vol
 pgbench clients look up rows of the big table by primary key. Keys follow a Zipfian distribution
 (`random_zipfian(1, rows, --zipf)`) counted from the newest row down, as an application reads recent data
 most: the hot rows are the last blocks of the heap and the right-most leaves of its index, a small part of
-the database.
+the database. `--keys scattered` spreads the same skew over the table (pgbench's permute()): hot rows
+with no locality.
 
 The workload is open-loop, as an application's requests are: pgbench --rate schedules --rate transactions
 a second across --clients connections whether or not the server keeps up, and each transaction's latency
@@ -32,6 +33,7 @@ server runs as the pghydrate user).
 
     python3 scripts/bench-normal.py [--major 15] [--seconds 60] [--latency 50ms] [--concurrency 4]
                                     [--rate 200] [--clients 32] [--zipf 1.2] [--repeat 1] [--scale 2000]
+                                    [--keys newest|scattered] [--compare-bin LABEL=PATH] [--only TEXT,...]
 """
 import argparse
 import json
@@ -50,8 +52,11 @@ import bench  # noqa: E402
 PASSWORD = bench.PASSWORD
 
 
-def workload_script(path: Path, rows: int, zipf: float):
-    path.write_text(f"\\set r random_zipfian(1, {rows}, {zipf})\n\\set k {rows} + 1 - :r\n"
+def workload_script(path: Path, rows: int, zipf: float, keys: str = "newest"):
+    """Zipfian keys counted from the newest row down ("newest"), or scattered over the whole table by
+    pgbench's permute() ("scattered": the same skew, no locality: hot rows anywhere in the heap)."""
+    key = f"{rows} + 1 - :r" if keys == "newest" else f"permute(:r - 1, {rows}) + 1"
+    path.write_text(f"\\set r random_zipfian(1, {rows}, {zipf})\n\\set k {key}\n"
                     "SELECT a, b FROM big WHERE id = :k;\n")
 
 
@@ -189,6 +194,8 @@ def main():
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--rate", type=int, default=200, help="transactions a second, all clients together")
     ap.add_argument("--zipf", type=float, default=1.2)
+    ap.add_argument("--keys", choices=("newest", "scattered"), default="newest",
+                    help="hot keys from the newest row down, or scattered over the table (permute)")
     ap.add_argument("--window", type=float, default=1.0, help="seconds per p95 window")
     ap.add_argument("--floor-ms", type=float, default=0.0, help="default: a tenth of --latency")
     ap.add_argument("--repeat", type=int, default=1, help="runs per strategy; the table shows the median")
@@ -219,7 +226,7 @@ def main():
         info = b.load()
         rows = int(b.pg.psql("SELECT max(id) FROM big", db="app"))
         script = b.workdir / "zipf.sql"
-        workload_script(script, rows, args.zipf)
+        workload_script(script, rows, args.zipf, args.keys)
         os.chown(script, *_uid_gid())
         b.pg.psql("CREATE EXTENSION IF NOT EXISTS pg_buffercache")
         # 1. The source: the workload warms shared buffers; capture what they hold. Then the baseline.
