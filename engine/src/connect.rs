@@ -538,7 +538,10 @@ fn classify_connect_error(target: &str, e: tokio_postgres::Error) -> Error {
     if code == "28P01" || code == "28000" || reason.contains("password missing") {
         return Error::Authentication { target: target.into(), reason, source: Some(e) };
     }
-    if reason.contains("TLS") || reason.contains("certificate") || reason.contains("tls") {
+    // A connection cut while TLS was being negotiated (a server restarting, a proxy or a failover
+    // dropping it) is a network failure, retried like any other, not a TLS problem to fix.
+    let cut = connection_cut(&e);
+    if !cut && (reason.contains("TLS") || reason.contains("certificate") || reason.contains("tls")) {
         let reason = if reason.contains("server does not support TLS") {
             format!("{reason} (connecting unencrypted takes an explicit --tls disable)")
         } else {
@@ -547,6 +550,22 @@ fn classify_connect_error(target: &str, e: tokio_postgres::Error) -> Error {
         return Error::Tls { target: target.into(), reason };
     }
     Error::Connect { target: target.into(), reason, source: Some(e) }
+}
+
+/// Whether an error's cause is the connection itself ending or stalling (end of file, reset, abort,
+/// broken pipe, timeout), at any depth of its chain.
+fn connection_cut(e: &(dyn std::error::Error + 'static)) -> bool {
+    use std::io::ErrorKind::*;
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = next {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if matches!(io.kind(), UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe | TimedOut) {
+                return true;
+            }
+        }
+        next = err.source();
+    }
+    false
 }
 
 /// libpq's `require`/`prefer`: encrypted, certificate not checked. Signatures are still verified so the
@@ -630,6 +649,38 @@ impl ServerCertVerifier for ChainOnly {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error that wraps another, as tokio-postgres wraps the TLS stream's io::Error.
+    #[derive(Debug)]
+    struct Wrapped(std::io::Error);
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "error performing TLS handshake")
+        }
+    }
+    impl std::error::Error for Wrapped {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    /// A handshake cut by the network is retried as a connection failure; a certificate the
+    /// verifier refused (an io::Error of kind InvalidData from rustls) stays a TLS error.
+    #[test]
+    fn a_connection_cut_during_the_handshake_is_not_a_tls_problem() {
+        use std::io::{Error as Io, ErrorKind};
+        for kind in [
+            ErrorKind::UnexpectedEof,
+            ErrorKind::ConnectionReset,
+            ErrorKind::ConnectionAborted,
+            ErrorKind::BrokenPipe,
+            ErrorKind::TimedOut,
+        ] {
+            assert!(connection_cut(&Wrapped(Io::new(kind, "cut"))), "{kind:?}");
+        }
+        assert!(!connection_cut(&Wrapped(Io::new(ErrorKind::InvalidData, "invalid peer certificate: UnknownIssuer"))));
+        assert!(!connection_cut(&Io::other("no route")));
+    }
 
     fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
