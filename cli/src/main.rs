@@ -201,6 +201,12 @@ struct PlanArgs {
     /// first, after the --first tables).
     #[arg(long)]
     no_hot_set: bool,
+    /// Databases planned at once, a session each (never more than half the server's free connection
+    /// slots): a restored server's catalogs are cold, and a server of many databases plans in a
+    /// fraction of the time one at a time takes.
+    #[arg(long, value_name = "N", default_value_t = pghydrate::catalog::DATABASES_AT_ONCE,
+          value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u64).range(1..=256), |n| n as usize))]
+    databases_at_once: usize,
 }
 
 /// `--sessions`: `auto`, or a number of sessions that read throughout.
@@ -455,6 +461,7 @@ fn plan_options(p: &PlanArgs, t: &TimeoutArgs, dry_run: bool) -> PlanOptions {
         // one try while planning is enough there.
         lock_attempts: if dry_run { t.lock_attempts } else { 1 },
         ignore_hot_set: p.no_hot_set,
+        databases_at_once: p.databases_at_once,
     }
 }
 

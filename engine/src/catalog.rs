@@ -4,8 +4,10 @@
 //! session whose search path is pinned to pg_catalog, so its unqualified functions and operators are
 //! the system's, whatever a database's users created.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use futures_util::StreamExt;
 use tokio_postgres::Client;
 use tracing::{info, warn};
 
@@ -40,7 +42,15 @@ pub struct PlanOptions {
     pub lock_attempts: u32,
     /// Do not read captured hot sets (`pghydrate capture`): order as if there were none.
     pub ignore_hot_set: bool,
+    /// Databases planned at once, each on a session of its own (0: [`DATABASES_AT_ONCE`]), never more
+    /// than half the server's free connection slots. A restored server's catalogs are cold too: one
+    /// database at a time, a server of hundreds of tenant databases waits on one cold catalog read
+    /// after another (and a Plan Lambda has 15 minutes).
+    pub databases_at_once: usize,
 }
+
+/// Databases planned at once by default.
+pub const DATABASES_AT_ONCE: usize = 8;
 
 /// Databases excluded unless named by an include pattern: RDS's own administrative database, which
 /// customers cannot connect to.
@@ -133,14 +143,28 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
     let mut forks: Vec<ForkEntry> = Vec::new();
     // Per fork: Some((oid, fork)) for a shared catalog's fork (pg_authid, pg_database...).
     let mut shared_keys: Vec<Option<(u32, Fork)>> = Vec::new();
-    let mut lock_waits = opts.lock_attempts.max(1);
+    // One budget of lock waits over every database, however many are planned at once.
+    let lock_waits = AtomicU32::new(opts.lock_attempts.max(1));
     let mut stored_hot: Vec<(String, crate::hotset::StoredHotSet)> = Vec::new();
-    for d in &dbs {
-        if let Some(entry) = database_left_out(d, opts, &server) {
-            databases.push(entry);
-            continue;
+    let wanted = if opts.databases_at_once == 0 { DATABASES_AT_ONCE } else { opts.databases_at_once };
+    let (at_once, note) = crate::run::effective_sessions(wanted.min(256) as u32, &server);
+    if let Some(note) = note {
+        info!(databases_at_once = at_once, "planning: {note}");
+    }
+    // `buffered` keeps the listed order: the plan is the same whatever finishes first.
+    let planned: Vec<_> = futures_util::stream::iter(dbs.iter().map(|d| {
+        let (lock_waits, server) = (&lock_waits, &server);
+        async move {
+            match database_left_out(d, opts, server) {
+                Some(entry) => (entry, Vec::new(), None),
+                None => plan_database(spec, d, opts, server, lock_waits).await,
+            }
         }
-        let (entry, listed, hot) = plan_database(spec, d, opts, &server, &mut lock_waits).await;
+    }))
+    .buffered(at_once as usize)
+    .collect()
+    .await;
+    for (d, (entry, listed, hot)) in dbs.iter().zip(planned) {
         databases.push(entry);
         if let Some(hot) = hot {
             stored_hot.push((d.name.clone(), hot));
@@ -218,6 +242,20 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
         "planned"
     );
     Ok(plan)
+}
+
+/// The databases a run selects, by name in byte order: its database patterns and the default
+/// exclusions applied, templates, databases that refuse connections and those the login role may not
+/// connect to left out (planning reports each of them with why). What the workflow's maintenance walks,
+/// one database at a time, instead of a list carried in its state.
+pub async fn selected_databases(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Vec<String>> {
+    let (client, _) = connect_any(spec).await?;
+    let server = server_info(spec, &client).await?;
+    let dbs = list_databases(spec, &client).await?;
+    let mut names: Vec<String> =
+        dbs.iter().filter(|d| database_left_out(d, opts, &server).is_none()).map(|d| d.name.clone()).collect();
+    names.sort();
+    Ok(names)
 }
 
 async fn list_databases(spec: &ConnectionSpec, client: &Client) -> Result<Vec<DbRow>> {
@@ -314,7 +352,7 @@ async fn plan_database(
     d: &DbRow,
     opts: &PlanOptions,
     server: &ServerInfo,
-    lock_waits: &mut u32,
+    lock_waits: &AtomicU32,
 ) -> (DatabaseEntry, Vec<(ForkEntry, bool)>, Option<crate::hotset::StoredHotSet>) {
     let client = match spec.connect(&d.name).await {
         Ok(c) => c,
@@ -550,7 +588,7 @@ async fn list_forks(
     client: &Client,
     db: &str,
     server: &ServerInfo,
-    lock_waits: &mut u32,
+    lock_waits: &AtomicU32,
 ) -> Result<Vec<Listed>> {
     // pg_prewarm's privilege check is SELECT on the relation. For an index, current minor releases
     // (seen on 15.18, 16.15, 17.11, 18.6) check the index's table instead; older minors checked the
@@ -757,11 +795,10 @@ async fn size_locked(
     spec: &ConnectionSpec,
     client: &Client,
     oid: u32,
-    lock_waits: &mut u32,
+    lock_waits: &AtomicU32,
 ) -> Result<Option<[i64; 4]>> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&oid];
-    while *lock_waits > 0 {
-        *lock_waits -= 1;
+    while lock_waits.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| w.checked_sub(1)).is_ok() {
         let statement = client.query_one(
             "SELECT coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'main'), 0),
                         coalesce(pg_catalog.pg_relation_size($1::pg_catalog.oid::pg_catalog.regclass, 'fsm'), 0),
@@ -772,7 +809,7 @@ async fn size_locked(
         match bounded(spec, client, catalog_bound(spec), statement).await {
             Ok(r) => return Ok(Some([r.get(0), r.get(1), r.get(2), r.get(3)])),
             Err(Failed::Server(e)) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
-                info!(oid, waits_left = *lock_waits, "relation locked while planning");
+                info!(oid, waits_left = lock_waits.load(Ordering::Relaxed), "relation locked while planning");
             }
             Err(f) => return Err(catalog_error(spec, format!("sizing relation {oid}"), f)),
         }
@@ -809,7 +846,7 @@ pub async fn plan_locked_again(spec: &ConnectionSpec, plan: &mut Plan) -> Vec<Bl
         let here: Vec<usize> = locked.iter().copied().filter(|&i| plan.forks[i].database == db).collect();
         for i in here {
             let oid = plan.forks[i].oid;
-            let sizes = match size_locked(spec, &client, oid, &mut 1).await {
+            let sizes = match size_locked(spec, &client, oid, &AtomicU32::new(1)).await {
                 Ok(Some(sizes)) => sizes,
                 Ok(None) => {
                     info!(database = %db, relation = %plan.forks[i].name, "still locked after warming; stays skipped");

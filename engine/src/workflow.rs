@@ -26,7 +26,8 @@ pub const ITEM_LIMIT_BYTES: usize = 64 * 1024;
 /// - the items: at most INLINE_BYTES_LIMIT (128 KiB);
 /// - their summaries once warmed: at most 40 x (ITEM_LISTED_SKIPS lines of at most 200 characters,
 ///   plus about 300 bytes): about 36 KiB;
-/// - the plan summary (at most 50 planned skips listed): about 20 KiB;
+/// - the plan summary (at most 50 planned skips, LISTED_SKIPS databases and LISTED_SKIPS hot-set uses
+///   listed, whatever the number of databases): about 24 KiB;
 /// - the maintenance summary (LISTED_SKIPS lines): about 8 KiB;
 /// - the run, target, endpoint and storage progress: about 4 KiB.
 ///
@@ -567,6 +568,7 @@ impl RunConfig {
             dry_run: false,
             lock_attempts,
             ignore_hot_set: false,
+            databases_at_once: crate::catalog::DATABASES_AT_ONCE,
         })
     }
 }
@@ -663,7 +665,12 @@ const LOCKED_PER_ITEM: usize = 16;
 pub struct PlanSummary {
     pub server_version: String,
     pub mode: String,
+    /// At most [`LISTED_SKIPS`] databases: those skipped first (they count against coverage when their
+    /// reason says so), then planned ones, then excluded ones. One per database would outgrow the 256
+    /// KiB state on a server with a few thousand tenant databases; the counts below cover them all.
     pub databases: Vec<crate::report::DatabaseReport>,
+    #[serde(default)]
+    pub database_counts: DatabaseCounts,
     pub forks: usize,
     pub total_bytes: u64,
     pub planned_bytes: u64,
@@ -695,6 +702,46 @@ pub struct PlanSummary {
     /// Bytes of the hot phase.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub hot_bytes: u64,
+}
+
+/// How many databases a plan planned, skipped (could not plan) and excluded (patterns, defaults).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DatabaseCounts {
+    pub planned: usize,
+    pub skipped: usize,
+    pub excluded: usize,
+    /// Skipped databases whose blocks should have been read (no CONNECT privilege, cannot connect,
+    /// no pg_prewarm...): the instance is not hydrated to 100% while there is one. Templates and
+    /// databases that allow no connections are skipped without counting here.
+    #[serde(default)]
+    pub missed: usize,
+}
+
+/// The databases a plan summary lists and their counts: at most [`LISTED_SKIPS`], skipped first (those
+/// that count against coverage, what a user must act on, before templates), then planned, then
+/// excluded, each in the plan's (name) order.
+pub fn listed_databases(databases: &[DatabaseEntry]) -> (Vec<crate::report::DatabaseReport>, DatabaseCounts) {
+    let rank = |d: &DatabaseEntry| match d.outcome {
+        DatabaseOutcome::Skipped if d.counts_against_coverage => 0,
+        DatabaseOutcome::Skipped => 1,
+        DatabaseOutcome::Planned => 2,
+        DatabaseOutcome::Excluded => 3,
+    };
+    let mut listed: Vec<&DatabaseEntry> = databases.iter().collect();
+    listed.sort_by_key(|d| rank(d));
+    let count = |o: DatabaseOutcome| databases.iter().filter(|d| d.outcome == o).count();
+    let counts = DatabaseCounts {
+        planned: count(DatabaseOutcome::Planned),
+        skipped: count(DatabaseOutcome::Skipped),
+        excluded: count(DatabaseOutcome::Excluded),
+        missed: databases.iter().filter(|d| d.outcome == DatabaseOutcome::Skipped && d.counts_against_coverage).count(),
+    };
+    let listed = listed
+        .into_iter()
+        .take(LISTED_SKIPS)
+        .map(|d| crate::report::DatabaseReport { name: d.name.clone(), outcome: d.outcome, reason: d.reason.clone() })
+        .collect();
+    (listed, counts)
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -767,18 +814,12 @@ pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanS
         item.mode = mode;
         item.sessions = sizing.sessions_per_call;
     }
+    let (databases, database_counts) = listed_databases(&plan.databases);
     let summary = PlanSummary {
         server_version: plan.server.version.split(" on ").next().unwrap_or("").to_string(),
         mode: mode.as_str().into(),
-        databases: plan
-            .databases
-            .iter()
-            .map(|d| crate::report::DatabaseReport {
-                name: d.name.clone(),
-                outcome: d.outcome,
-                reason: d.reason.clone(),
-            })
-            .collect(),
+        databases,
+        database_counts,
         forks: live.len(),
         total_bytes: live.iter().map(|f| f.blocks * bs).sum(),
         planned_bytes: plan.planned_blocks() * bs,
@@ -884,6 +925,54 @@ mod tests {
             storage_progress: progress,
             ..InstanceView::default()
         }
+    }
+
+    /// A server with 10,000 tenant databases: the plan summary lists a bounded number of them, the
+    /// ones that could not be planned first, and counts every one (unbounded, the list alone would
+    /// outgrow the workflow's state).
+    #[test]
+    fn plan_summary_lists_a_bounded_number_of_databases_and_counts_them_all() {
+        let entries: Vec<DatabaseEntry> = (0..10_000)
+            .map(|i| {
+                let name = format!("tenant_{i:05}");
+                match i {
+                    _ if i % 3 == 0 => DatabaseEntry {
+                        name,
+                        outcome: DatabaseOutcome::Excluded,
+                        reason: Some("not matched by the include patterns (or excluded by default)".into()),
+                        prewarm_schema: None,
+                        counts_against_coverage: false,
+                    },
+                    4_001 | 9_998 => DatabaseEntry {
+                        name,
+                        outcome: DatabaseOutcome::Skipped,
+                        reason: Some("no CONNECT privilege for pghydrate".into()),
+                        prewarm_schema: None,
+                        counts_against_coverage: true,
+                    },
+                    _ => DatabaseEntry {
+                        name,
+                        outcome: DatabaseOutcome::Planned,
+                        reason: None,
+                        prewarm_schema: Some("public".into()),
+                        counts_against_coverage: true,
+                    },
+                }
+            })
+            .collect();
+        let (listed, counts) = listed_databases(&entries);
+        assert_eq!(counts, DatabaseCounts { planned: 6_664, skipped: 2, excluded: 3_334, missed: 2 });
+        assert_eq!(listed.len(), LISTED_SKIPS);
+        let names: Vec<&str> = listed.iter().take(3).map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["tenant_04001", "tenant_09998", "tenant_00001"], "skipped first, then planned by name");
+        assert!(listed[2..].iter().all(|d| d.outcome == DatabaseOutcome::Planned));
+        let bytes = serde_json::to_vec(&listed).unwrap().len();
+        assert!(bytes < 4 * 1024, "{bytes} bytes listed");
+        let all: Vec<crate::report::DatabaseReport> = entries
+            .iter()
+            .map(|d| crate::report::DatabaseReport { name: d.name.clone(), outcome: d.outcome, reason: d.reason.clone() })
+            .collect();
+        assert!(serde_json::to_vec(&all).unwrap().len() > STATE_LIMIT_BYTES, "unbounded would not fit");
     }
 
     /// An instance with thousands of databases, each with a capture: the plan summary lists a bounded

@@ -688,6 +688,57 @@ async fn workflow_items_continue_until_done(major: u32) {
     assert_all_blocks_buffered(&cluster, &report::build(&st)).await;
 }
 
+/// Databases planned at once give exactly the plan that one at a time gives (databases, forks, sizes,
+/// ranges, in the same order), on a server with few connection slots to spare (6, 3 of them reserved
+/// for superusers): the planning sessions stay within half the free ones, so nothing is refused ("too
+/// many clients"), where 8 at once would be.
+async fn databases_planned_at_once_plan_what_one_at_a_time_plans(major: u32) {
+    let cluster = Cluster::start(major, &["max_connections = 6"]);
+    let admin = cluster.client("postgres").await;
+    for i in 0..12 {
+        admin.batch_execute(&format!("CREATE DATABASE tenant_{i:02}")).await.unwrap();
+        let db = cluster.client(&format!("tenant_{i:02}")).await;
+        db.batch_execute(&format!(
+            "CREATE TABLE orders (id int PRIMARY KEY, note text);
+             INSERT INTO orders SELECT g, repeat(md5(g::text), {}) FROM generate_series(1, {}) g;
+             CREATE INDEX ON orders (note)",
+            1 + i % 3,
+            500 * (i + 1)
+        ))
+        .await
+        .unwrap();
+    }
+    admin.batch_execute("CREATE DATABASE closed").await.unwrap();
+    admin.batch_execute("ALTER DATABASE closed ALLOW_CONNECTIONS false").await.unwrap();
+    drop(admin);
+    let spec = cluster.superuser_spec();
+    let plan_with = |at_once: usize| {
+        let spec = spec.clone();
+        async move {
+            let opts = PlanOptions { databases_at_once: at_once, ..plan_opts(64) };
+            make_plan(&spec, &opts).await.unwrap()
+        }
+    };
+    let one = plan_with(1).await;
+    let many = plan_with(8).await;
+    let databases = |p: &pghydrate::plan::Plan| {
+        p.databases.iter().map(|d| (d.name.clone(), d.outcome, d.reason.clone())).collect::<Vec<_>>()
+    };
+    let forks = |p: &pghydrate::plan::Plan| {
+        p.forks.iter().map(|f| (f.database.clone(), f.oid, f.fork, f.blocks, f.excluded)).collect::<Vec<_>>()
+    };
+    assert_eq!(databases(&one), databases(&many));
+    assert_eq!(
+        one.databases.iter().filter(|d| d.outcome == DatabaseOutcome::Planned).count(),
+        13,
+        "postgres and the 12 tenants: {:?}",
+        databases(&one)
+    );
+    assert_eq!(forks(&one), forks(&many));
+    assert_eq!(one.ranges, many.ranges);
+    assert!(one.forks.iter().any(|f| f.database == "tenant_11" && f.name == "orders"));
+}
+
 pghydrate_tests::on_every_version!(
     every_block_is_read,
     permissions_are_reported_exactly,
@@ -697,3 +748,5 @@ pghydrate_tests::on_every_version!(
     lost_sessions_and_restarts_are_survived,
     workflow_items_continue_until_done
 );
+
+pghydrate_tests::on_oldest_and_newest!(databases_planned_at_once_plan_what_one_at_a_time_plans);

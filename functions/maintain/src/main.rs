@@ -1,13 +1,15 @@
 //! Maintain: ANALYZE / VACUUM ANALYZE table by table until the Lambda's deadline; the state machine
-//! calls again until `done`. What travels between calls is a cursor (the next table, by database and
-//! oid), not the list of tables left, so the state stays a few hundred bytes at 100,000 tables; each
-//! call lists the tables again (one catalog query per database). A statement that cannot finish within
-//! one whole call is reported skipped, with the statement to run from a host, and the run goes on.
+//! calls again until `done`. What travels between calls is a cursor (the next table, by database name
+//! and oid), not the list of tables or databases left, so the state stays a few hundred bytes with
+//! 100,000 tables or thousands of databases. Each call lists the run's databases (its database
+//! patterns, one catalog query), and then the tables of one database at a time, from the cursor's on.
+//! A statement that cannot finish within one whole call is reported skipped, with the statement to run
+//! from a host, and the run goes on. A database whose tables cannot be listed is reported once, when
+//! the walk reaches it.
 
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
 use pghydrate::maintain::{maintain, targets, MaintainOptions, Maintenance, MaintenanceTarget};
 use pghydrate::pattern::RelationPattern;
-use pghydrate::report::DatabaseReport;
 use pghydrate::workflow::{Endpoint, RunConfig, Target, LISTED_SKIPS};
 use pghydrate_lambda::{deadline, init_tracing, Aws, DbConfig, Failure};
 use serde::{Deserialize, Serialize};
@@ -17,7 +19,6 @@ struct Request {
     target: Target,
     run: RunConfig,
     endpoint: Endpoint,
-    databases: Vec<DatabaseReport>,
     /// None on the first call; then what the previous call returned.
     state: Option<Response>,
 }
@@ -54,20 +55,21 @@ impl Summary {
     }
 }
 
-/// The targets from `cursor` on, in the order of `databases` and then by oid.
-fn from_cursor(
-    mut targets: Vec<MaintenanceTarget>,
-    databases: &[String],
-    cursor: Option<&Cursor>,
-) -> Vec<MaintenanceTarget> {
-    let rank = |db: &str| databases.iter().position(|d| d == db).unwrap_or(usize::MAX);
-    targets.sort_by_key(|t| (rank(&t.database), t.oid));
+/// The databases from the cursor's on, in name order (a cursor naming a database dropped since goes on
+/// with the next name).
+fn databases_from<'a>(databases: &'a [String], cursor: Option<&Cursor>) -> &'a [String] {
     match cursor {
-        None => targets,
-        Some(c) => {
-            let at = (rank(&c.database), c.oid);
-            targets.into_iter().filter(|t| (rank(&t.database), t.oid) >= at).collect()
-        }
+        None => databases,
+        Some(c) => &databases[databases.partition_point(|d| d.as_str() < c.database.as_str())..],
+    }
+}
+
+/// One database's targets from the cursor on, by oid (the cursor's oid counts only in its database).
+fn from_cursor(mut targets: Vec<MaintenanceTarget>, database: &str, cursor: Option<&Cursor>) -> Vec<MaintenanceTarget> {
+    targets.sort_by_key(|t| t.oid);
+    match cursor {
+        Some(c) if c.database == database => targets.into_iter().filter(|t| t.oid >= c.oid).collect(),
+        _ => targets,
     }
 }
 
@@ -88,25 +90,10 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let started = std::time::Instant::now();
     let previous = r.state.unwrap_or_default();
     let mut summary = previous.summary;
-    let exclude: Vec<RelationPattern> = r.run.exclude.iter().filter_map(|p| RelationPattern::parse(p).ok()).collect();
-    let databases: Vec<String> = r
-        .databases
-        .iter()
-        .filter(|d| d.outcome == pghydrate::plan::DatabaseOutcome::Planned)
-        .map(|d| d.name.clone())
-        .collect();
-    let listed =
-        targets(&spec, &databases, action, |db, schema, table| exclude.iter().any(|p| p.matches(db, schema, table)))
-            .await;
-    // A database whose tables cannot be listed is reported once, on the first call (later calls
-    // continue from a cursor past it).
-    if previous.state.is_none() {
-        for m in &listed.unlisted {
-            summary.skip(format!("{}: {}", m.database, m.reason.clone().unwrap_or_default()));
-        }
-    }
-    let todo = from_cursor(listed.targets, &databases, previous.state.as_ref());
-    let first = todo.first().cloned();
+    let options = r.run.plan_options(1)?;
+    let exclude: &[RelationPattern] = &options.exclude;
+    let databases = pghydrate::catalog::selected_databases(&spec, &options).await?;
+    let cursor = previous.state;
     let opts = MaintainOptions {
         action,
         statement_timeout: std::time::Duration::from_secs(840),
@@ -115,33 +102,62 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
         margin: deps.db.margin,
         stop: None,
     };
-    let (results, mut left) = maintain(&spec, todo, &opts).await;
-    let progressed = !results.is_empty();
-    for m in results {
-        if m.outcome == pghydrate::maintain::MaintenanceOutcome::Done {
-            summary.done += 1;
-        } else {
-            summary.skip(format!("{}: {}: {}", m.database, m.table, m.reason.unwrap_or_default()));
+    let mut progressed = false;
+    let mut next: Option<Cursor> = None;
+    for db in databases_from(&databases, cursor.as_ref()) {
+        if until.saturating_duration_since(std::time::Instant::now()) <= deps.db.margin {
+            next = Some(Cursor { database: db.clone(), oid: 0 });
+            break;
+        }
+        let listed = targets(&spec, std::slice::from_ref(db), action, |db, schema, table| {
+            exclude.iter().any(|p| p.matches(db, schema, table))
+        })
+        .await;
+        // Reported when the walk reaches the database: a later call's cursor is past it.
+        for m in &listed.unlisted {
+            summary.skip(format!("{}: {}", m.database, m.reason.clone().unwrap_or_default()));
+        }
+        let todo = from_cursor(listed.targets, db, cursor.as_ref());
+        let first = todo.first().cloned();
+        let (results, mut left) = maintain(&spec, todo, &opts).await;
+        progressed |= !results.is_empty() || !listed.unlisted.is_empty();
+        for m in results {
+            if m.outcome == pghydrate::maintain::MaintenanceOutcome::Done {
+                summary.done += 1;
+            } else {
+                summary.skip(format!("{}: {}: {}", m.database, m.table, m.reason.unwrap_or_default()));
+            }
+        }
+        // A whole call spent on one statement that the deadline then cancelled: the next call would do
+        // the same, forever. Reported, with what to run from a host without a deadline.
+        if !progressed && started.elapsed() > deps.db.margin && left.first() == first.as_ref() {
+            if let Some(t) = left.first().cloned() {
+                tracing::warn!(database = %t.database, table = %t.table, "maintenance statement longer than a call; skipped");
+                summary.skip(format!(
+                    "{}: {}: did not finish within one Lambda call; run {} from a host (psql -d {})",
+                    t.database,
+                    t.table,
+                    action.statement(),
+                    t.database
+                ));
+                left.remove(0);
+                progressed = true;
+            }
+        }
+        if let Some(t) = left.first() {
+            next = Some(Cursor { database: t.database.clone(), oid: t.oid });
+            break;
         }
     }
-    // A whole call spent on one statement that the deadline then cancelled: the next call would do the
-    // same, forever. Reported, with what to run from a host without a deadline.
-    if !progressed && started.elapsed() > deps.db.margin && left.first() == first.as_ref() {
-        if let Some(t) = left.first().cloned() {
-            tracing::warn!(database = %t.database, table = %t.table, "maintenance statement longer than a call; skipped");
-            summary.skip(format!(
-                "{}: {}: did not finish within one Lambda call; run {} from a host (psql -d {})",
-                t.database,
-                t.table,
-                if action == Maintenance::VacuumAnalyze { "VACUUM ANALYZE" } else { "ANALYZE" },
-                t.database
-            ));
-            left.remove(0);
-        }
-    }
-    tracing::info!(instance = %r.target.instance, done = summary.done, skipped = summary.skipped_count, left = left.len(), "maintenance call");
-    let state = left.first().map(|t| Cursor { database: t.database.clone(), oid: t.oid });
-    Ok(Response { done: left.is_empty(), state, summary })
+    tracing::info!(
+        instance = %r.target.instance,
+        databases = databases.len(),
+        done = summary.done,
+        skipped = summary.skipped_count,
+        next = ?next,
+        "maintenance call"
+    );
+    Ok(Response { done: next.is_none(), state: next, summary })
 }
 
 #[tokio::main]
@@ -160,21 +176,26 @@ mod tests {
         MaintenanceTarget { database: db.into(), table: format!("public.t{oid}"), oid, cut: 0, vacuum_only: false }
     }
 
-    /// Each call continues exactly where the previous one stopped, in the order of the databases
-    /// and then by oid, whatever order the listing came in.
+    /// Each call continues exactly where the previous one stopped: in name order of the databases,
+    /// then by oid, whatever order the listing came in; a database or table dropped meanwhile is
+    /// passed over, not a reason to start again.
     #[test]
     fn the_cursor_continues_exactly_where_the_last_call_stopped() {
-        let dbs = vec!["b".to_string(), "a".to_string()];
-        let listed = vec![t("a", 5), t("b", 9), t("a", 1), t("b", 3)];
-        let all = from_cursor(listed.clone(), &dbs, None);
-        assert_eq!(
-            all.iter().map(|x| (x.database.as_str(), x.oid)).collect::<Vec<_>>(),
-            [("b", 3), ("b", 9), ("a", 1), ("a", 5)]
-        );
-        let rest = from_cursor(listed.clone(), &dbs, Some(&Cursor { database: "b".into(), oid: 9 }));
-        assert_eq!(rest.iter().map(|x| x.oid).collect::<Vec<_>>(), [9, 1, 5]);
+        let dbs: Vec<String> = ["a", "b", "tenant_1", "tenant_2"].map(String::from).to_vec();
+        let at = |db: &str, oid| Cursor { database: db.into(), oid };
+        assert_eq!(databases_from(&dbs, None), &dbs[..]);
+        assert_eq!(databases_from(&dbs, Some(&at("b", 9))), &dbs[1..]);
+        // "tenant_0" was dropped since the last call: the walk goes on with the next name.
+        assert_eq!(databases_from(&dbs, Some(&at("tenant_0", 0))), &dbs[2..]);
+        assert!(databases_from(&dbs, Some(&at("zz", 0))).is_empty());
+
+        let listed = vec![t("b", 9), t("b", 3), t("b", 12)];
+        let oids = |v: Vec<MaintenanceTarget>| v.iter().map(|x| x.oid).collect::<Vec<_>>();
+        assert_eq!(oids(from_cursor(listed.clone(), "b", None)), [3, 9, 12]);
+        assert_eq!(oids(from_cursor(listed.clone(), "b", Some(&at("b", 9)))), [9, 12]);
         // The table the cursor names was dropped meanwhile: the next one follows.
-        let rest = from_cursor(listed, &dbs, Some(&Cursor { database: "a".into(), oid: 2 }));
-        assert_eq!(rest.iter().map(|x| x.oid).collect::<Vec<_>>(), [5]);
+        assert_eq!(oids(from_cursor(listed.clone(), "b", Some(&at("b", 10)))), [12]);
+        // The cursor's oid belongs to its own database only.
+        assert_eq!(oids(from_cursor(listed, "b", Some(&at("a", 10)))), [3, 9, 12]);
     }
 }

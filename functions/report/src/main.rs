@@ -5,7 +5,7 @@
 //! warmed and coverage in embedded metric format.
 
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
-use pghydrate::workflow::{ItemSummary, PlanSummary, RunConfig, LISTED_SKIPS};
+use pghydrate::workflow::{DatabaseCounts, ItemSummary, PlanSummary, RunConfig, LISTED_SKIPS};
 use pghydrate::Error;
 use pghydrate_lambda::{init_tracing, Aws, Failure};
 use serde::{Deserialize, Serialize};
@@ -42,6 +42,13 @@ struct InstanceReport {
     /// How many skips there were in all.
     #[serde(default)]
     skipped_count: usize,
+    /// Databases whose blocks should have been read and were not (no CONNECT privilege, cannot
+    /// connect...): listed first in `skipped`; the instance is not complete while there is one.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    missed_databases: usize,
+    /// Databases planned, skipped and excluded (none on the storage-only path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    databases: Option<DatabaseCounts>,
     maintenance: Value,
     storage: Value,
     /// The warm phase's Lambda calls: how many, how long in all (what Lambda bills), and how they
@@ -50,6 +57,10 @@ struct InstanceReport {
     warm: Option<WarmCalls>,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<Value>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 #[derive(Serialize, Deserialize, Debug, PartialEq)]
@@ -161,6 +172,8 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
             skipped_bytes: 0,
             skipped: vec![],
             skipped_count: 0,
+            missed_databases: 0,
+            databases: None,
             maintenance: Value::Null,
             storage: Value::Null,
             warm: None,
@@ -176,9 +189,20 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
     // Relations locked while planning are in no plan total: the items that tried them again add them.
     let added: u64 = items.iter().map(|i| i.added_bytes).sum();
     let (total, planned_skip, mut skipped, mut skipped_count) = match &plan {
-        Some(p) => (p.total_bytes + added, p.planned_skip_bytes, p.planned_skips.clone(), p.planned_skip_count),
+        Some(p) => {
+            // Databases that could not be planned come first: nothing of theirs was read.
+            let mut listed: Vec<String> = p
+                .databases
+                .iter()
+                .filter(|d| d.outcome == pghydrate::plan::DatabaseOutcome::Skipped)
+                .map(|d| format!("database {}: {}", d.name, d.reason.as_deref().unwrap_or("skipped")))
+                .collect();
+            listed.extend(p.planned_skips.iter().cloned());
+            (p.total_bytes + added, p.planned_skip_bytes, listed, p.planned_skip_count + p.database_counts.skipped)
+        }
         None => (0, 0, vec![], 0),
     };
+    let missed_databases = plan.as_ref().map_or(0, |p| p.database_counts.missed);
     for i in &items {
         skipped_count += i.skipped_forks.max(i.skipped.len());
         skipped.extend(i.skipped.iter().map(|s| format!("{}: {s}", i.database)));
@@ -199,6 +223,8 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
         skipped_bytes: skipped_run + planned_skip,
         skipped,
         skipped_count,
+        missed_databases,
+        databases: plan.as_ref().map(|p| p.database_counts),
         maintenance: v["maintained"]["summary"].clone(),
         storage: v["storage"].clone(),
         warm: plan.as_ref().map(|p| WarmCalls {
@@ -247,7 +273,9 @@ fn summary(run: &RunConfig, instances: Vec<InstanceReport>) -> Summary {
     let vanished: u64 = instances.iter().map(|i| i.vanished_bytes).sum();
     let live = total.saturating_sub(vanished);
     let any_failed = instances.iter().any(|i| i.outcome == "failed");
-    let complete = !instances.is_empty() && !any_failed && instances.iter().all(|i| i.coverage >= 1.0);
+    let complete = !instances.is_empty()
+        && !any_failed
+        && instances.iter().all(|i| i.coverage >= 1.0 && i.missed_databases == 0);
     for i in &instances {
         // CloudWatch embedded metric format: one line per instance becomes two metrics.
         println!(
@@ -304,6 +332,8 @@ mod tests {
             skipped_bytes: total - warmed,
             skipped: vec![],
             skipped_count: 0,
+            missed_databases: 0,
+            databases: None,
             maintenance: Value::Null,
             storage: Value::Null,
             warm: None,
@@ -352,5 +382,10 @@ mod tests {
         assert_eq!((s.status.as_str(), s.coverage), ("incomplete", 0.0));
         let s = summary(&run(), vec![instance("hydrated", 100, 100), instance("storage_only", 0, 0)]);
         assert_eq!((s.status.as_str(), s.coverage), ("complete", 1.0));
+        // Every planned block read, but a database could not be planned (no CONNECT privilege):
+        // its blocks were never counted, so the run is not complete.
+        let missed = InstanceReport { missed_databases: 1, ..instance("hydrated", 100, 100) };
+        let s = summary(&run(), vec![missed]);
+        assert_eq!(s.status, "incomplete");
     }
 }
