@@ -7,7 +7,9 @@ pgbench clients look up rows of the big table by primary key. Keys follow a Zipf
 (`random_zipfian(1, rows, --zipf)`) counted from the newest row down, as an application reads recent data
 most: the hot rows are the last blocks of the heap and the right-most leaves of its index, a small part of
 the database. `--keys scattered` spreads the same skew over the table (pgbench's permute()): hot rows
-with no locality.
+with no locality. `--keys old` counts the same skew up from a third into the table: a hot set that is
+neither the newest data nor the whole table (an old partition, a customer's rows loaded long ago), the
+case where only a captured hot set knows what to read first.
 
 The workload is open-loop, as an application's requests are: pgbench --rate schedules --rate transactions
 a second across --clients connections whether or not the server keeps up, and each transaction's latency
@@ -33,7 +35,7 @@ server runs as the pghydrate user).
 
     python3 scripts/bench-normal.py [--major 15] [--seconds 60] [--latency 50ms] [--concurrency 4]
                                     [--rate 200] [--clients 32] [--zipf 1.2] [--repeat 1] [--scale 2000]
-                                    [--keys newest|scattered] [--compare-bin LABEL=PATH] [--only TEXT,...]
+                                    [--keys newest|scattered|old] [--compare-bin LABEL=PATH] [--only TEXT,...]
 """
 import argparse
 import json
@@ -53,9 +55,14 @@ PASSWORD = bench.PASSWORD
 
 
 def workload_script(path: Path, rows: int, zipf: float, keys: str = "newest"):
-    """Zipfian keys counted from the newest row down ("newest"), or scattered over the whole table by
-    pgbench's permute() ("scattered": the same skew, no locality: hot rows anywhere in the heap)."""
-    key = f"{rows} + 1 - :r" if keys == "newest" else f"permute(:r - 1, {rows}) + 1"
+    """Zipfian keys counted from the newest row down ("newest"), scattered over the whole table by
+    pgbench's permute() ("scattered": the same skew, no locality: hot rows anywhere in the heap), or
+    counted up from a third into the table ("old": hot rows in the middle of the heap)."""
+    key = {
+        "newest": f"{rows} + 1 - :r",
+        "scattered": f"permute(:r - 1, {rows}) + 1",
+        "old": f"(:r - 1 + {rows // 3}) % {rows} + 1",
+    }[keys]
     path.write_text(f"\\set r random_zipfian(1, {rows}, {zipf})\n\\set k {key}\n"
                     "SELECT a, b FROM big WHERE id = :k;\n")
 
@@ -194,8 +201,9 @@ def main():
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--rate", type=int, default=200, help="transactions a second, all clients together")
     ap.add_argument("--zipf", type=float, default=1.2)
-    ap.add_argument("--keys", choices=("newest", "scattered"), default="newest",
-                    help="hot keys from the newest row down, or scattered over the table (permute)")
+    ap.add_argument("--keys", choices=("newest", "scattered", "old"), default="newest",
+                    help="hot keys from the newest row down, scattered over the table (permute), or counted "
+                         "up from a third into it")
     ap.add_argument("--window", type=float, default=1.0, help="seconds per p95 window")
     ap.add_argument("--floor-ms", type=float, default=0.0, help="default: a tenth of --latency")
     ap.add_argument("--repeat", type=int, default=1, help="runs per strategy; the table shows the median")
