@@ -7,7 +7,10 @@ holding whole relations (few long runs), and holding every other block (the most
 compacted to the cap). Prints a table: buffers, runs, ranges stored, the pg_buffercache read, the whole
 capture, and the table's size. Needs root (the server runs as the pghydrate user).
 
-    python3 scripts/bench-capture.py [--major 15] [--shared-buffers 2GB] [--runs 3]
+    python3 scripts/bench-capture.py [--major 15] [--shared-buffers 2GB] [--runs 3] [--relations 100000]
+
+--relations N adds a third shape: N relations (N/2 tables of one row with a primary key), every block of
+them cached: one run per fork, the most relations a capture has to summarize.
 """
 import argparse
 import json
@@ -33,6 +36,7 @@ def main():
     ap.add_argument("--major", type=int, default=15)
     ap.add_argument("--shared-buffers", default="2GB")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--relations", type=int, default=0, help="also a cache of this many small relations")
     ap.add_argument("--out", default=str(ROOT / "bench" / "capture.json"))
     args = ap.parse_args()
     subprocess.run(["cargo", "build", "--release", "--locked", "-p", "pghydrate-cli"], cwd=ROOT, check=True)
@@ -59,6 +63,17 @@ def main():
             "every other block": f"SELECT count(pg_prewarm('filler', 'buffer', 'main', b, b)) "
                                  f"FROM generate_series(0, {blocks - 1}, 2) b",
         }
+        if args.relations:
+            t = time.monotonic()
+            tables = args.relations // 2
+            pg.psql(f"DO $$ BEGIN FOR i IN 1..{tables} LOOP "
+                    f"EXECUTE format('CREATE TABLE r_%s (id int PRIMARY KEY)', i); "
+                    f"EXECUTE format('INSERT INTO r_%s VALUES (1)', i); "
+                    f"IF i % 2000 = 0 THEN COMMIT; END IF; END LOOP; END $$", db="app")
+            print(f"bench-capture: {tables} tables with a primary key made in {time.monotonic() - t:.0f} s", flush=True)
+            shapes[f"{args.relations:,} small relations"] = (
+                "SELECT count(pg_prewarm(c.oid)) FROM pg_class c "
+                "WHERE c.relkind IN ('r', 'i') AND (c.relname LIKE 'r\\_%' OR c.relname LIKE 'r\\_%\\_pkey')")
         for shape, fill in shapes.items():
             pg.stop()
             pg.start()
