@@ -391,22 +391,21 @@ impl Report {
             self.mode,
         );
         let _ = writeln!(s, "  databases: {planned} hydrated");
-        for d in self.databases.iter().filter(|d| d.outcome == DatabaseOutcome::Skipped) {
-            let _ = writeln!(s, "    {} {}: {}", d.outcome.as_str(), d.name, d.reason.as_deref().unwrap_or(""));
-        }
-        // A server of tenant databases, one of them hydrated, would print thousands of lines here.
         let excluded: Vec<&DatabaseReport> =
             self.databases.iter().filter(|d| d.outcome == DatabaseOutcome::Excluded).collect();
+        // A server of tenant databases, one of them hydrated, would print thousands of excluded lines.
+        let listed = self.databases.iter().filter(|d| {
+            d.outcome == DatabaseOutcome::Skipped || (d.outcome == DatabaseOutcome::Excluded && excluded.len() <= 5)
+        });
+        for d in listed {
+            let _ = writeln!(s, "    {} {}: {}", d.outcome.as_str(), d.name, d.reason.as_deref().unwrap_or(""));
+        }
         if excluded.len() > 5 {
             let _ = writeln!(
                 s,
                 "    excluded {} databases (patterns or default exclusions; listed in the JSON report)",
                 excluded.len()
             );
-        } else {
-            for d in excluded {
-                let _ = writeln!(s, "    {} {}: {}", d.outcome.as_str(), d.name, d.reason.as_deref().unwrap_or(""));
-            }
         }
         let forks = self.relations.iter().filter(|r| r.outcome != ForkOutcome::Excluded).count();
         let _ = writeln!(
