@@ -43,6 +43,9 @@ twin/test_strict.py):
   runs past its timeout (PGHYDRATE_TWIN_LAMBDA_TIMEOUT seconds) fails as Sandbox.Timedout, as Lambda's
   does (the twin stops waiting for it; unlike Lambda, it cannot freeze the process, which runs on), and
   the fault "timedout" makes the next N invokes fail so at once.
+- Asynchronous invokes (X-Amz-Invocation-Type: Event), in the shim: 202 at once with no result, the
+  function run in the background, its event over 256 KiB refused; GET /async-invocations lists each
+  with its outcome (the scheduled capture starts one per instance this way).
 """
 import json
 import os
@@ -68,6 +71,9 @@ LOCK = threading.Lock()
 LAMBDA_FAULTS: dict = {}
 LAMBDA_TIMEOUT = float(os.environ.get("PGHYDRATE_TWIN_LAMBDA_TIMEOUT", "3600"))
 LAMBDA_PAYLOAD_LIMIT = 6 * 1024 * 1024  # bytes, request and response (synchronous invoke)
+ASYNC_PAYLOAD_LIMIT = 256 * 1024  # bytes, an asynchronous invoke's event (the classic limit; AWS allows 1 MB since 2025)
+# Every asynchronous invoke: {"function", "payload", "status": running|succeeded|failed, "response"}.
+ASYNC_INVOCATIONS: list = []
 STATE_LIMIT = 256 * 1024
 HISTORY_LIMIT = 25_000
 # instance id -> {"address", "port", "script": [{"status": ..., "storage": ..., "progress": ...}], "now": {...}}
@@ -496,6 +502,9 @@ class Control(BaseHTTPRequestHandler):
         if self.path == "/describes":
             with LOCK:
                 return self._reply(200, {"describes": DESCRIBES, "scripts_left": {k: len(v["script"]) for k, v in INSTANCES.items()}})
+        if self.path == "/async-invocations":
+            with LOCK:
+                return self._reply(200, {"invocations": [dict(r) for r in ASYNC_INVOCATIONS]})
         if self.path == "/deliveries":
             with LOCK:
                 return self._reply(200, {"deliveries": list(DELIVERIES)})
@@ -551,9 +560,37 @@ class LambdaShim(BaseHTTPRequestHandler):
                                 "errorMessage": f"RequestId: twin Error: Task timed out after {LAMBDA_TIMEOUT:.2f} seconds"}).encode()
         if fault and fault[0] == "timedout":
             return self._reply(timed_out, "Unhandled")
+        if self.headers.get("X-Amz-Invocation-Type") == "Event":
+            # Asynchronous: Lambda queues the event and answers 202 at once; the caller never sees the
+            # function's result or error (tests read them from GET /async-invocations).
+            if len(payload) > ASYNC_PAYLOAD_LIMIT:
+                return self._error(413, "RequestEntityTooLargeException",
+                                   f"Request must be smaller than {ASYNC_PAYLOAD_LIMIT} bytes for the InvokeFunction "
+                                   "operation (asynchronous invocation)")
+            record = {"function": name, "payload": json.loads(payload or b"null"), "status": "running"}
+            with LOCK:
+                ASYNC_INVOCATIONS.append(record)
+
+            def run():
+                body, error = self._forward(name, payload, timed_out)
+                with LOCK:
+                    record["status"] = "failed" if error else "succeeded"
+                    record["response"] = json.loads(body or b"null")
+
+            threading.Thread(target=run, daemon=True).start()
+            self.send_response(202)
+            self.send_header("x-amzn-RequestId", str(uuid.uuid4()))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if len(payload) > LAMBDA_PAYLOAD_LIMIT:
             return self._error(413, "RequestEntityTooLargeException",
                                f"Request must be smaller than {LAMBDA_PAYLOAD_LIMIT} bytes for the InvokeFunction operation")
+        self._reply(*self._forward(name, payload, timed_out))
+
+    @staticmethod
+    def _forward(name: str, payload: bytes, timed_out: bytes):
+        """The function's answer from the emulator: (body, function error or None)."""
         target = f"{os.environ['PGHYDRATE_TWIN_WATCH_URL']}/2015-03-31/functions/{name}/invocations"
         req = urllib.request.Request(target, data=payload, method="POST", headers={"Content-Type": "application/json"})
         function_error = None
@@ -566,13 +603,13 @@ class LambdaShim(BaseHTTPRequestHandler):
         except (TimeoutError, urllib.error.URLError) as e:
             if not isinstance(e, TimeoutError) and not isinstance(getattr(e, "reason", None), TimeoutError):
                 raise
-            return self._reply(timed_out, "Unhandled")
+            return timed_out, "Unhandled"
         if len(body) > LAMBDA_PAYLOAD_LIMIT:
             body = json.dumps({"errorType": "Function.ResponseSizeTooLarge",
                                "errorMessage": f"Response payload size ({len(body)} bytes) exceeded maximum allowed "
                                                f"payload size ({LAMBDA_PAYLOAD_LIMIT} bytes)."}).encode()
             function_error = "Unhandled"
-        self._reply(body, function_error)
+        return body, function_error
 
 
 def serve_side_ports(control_port: int, shim_port: int):

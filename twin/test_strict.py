@@ -106,6 +106,27 @@ def test_a_lambda_request_over_6_mb_is_refused(twin):
     assert e.value.response["Error"]["Code"] == "RequestEntityTooLargeException"
 
 
+def test_an_asynchronous_invoke_answers_at_once_without_the_result(twin):
+    """InvocationType Event: 202 and no payload, whatever the function does (here it fails: the request is
+    not one it accepts, which only the recorded outcome shows); an event over 256 KiB is refused."""
+    lam = boto3.client("lambda", region_name="us-east-1", endpoint_url=f"http://127.0.0.1:{twin.shim_port}",
+                       aws_access_key_id="x", aws_secret_access_key="x",
+                       config=Config(retries={"total_max_attempts": 1}))
+    r = lam.invoke(FunctionName="describe", InvocationType="Event", Payload=json.dumps({"strict": "async"}).encode())
+    assert r["StatusCode"] == 202 and "FunctionError" not in r and r["Payload"].read() == b"", r
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        mine = [c for c in twin.async_invocations() if c["payload"] == {"strict": "async"}]
+        if mine and mine[0]["status"] != "running":
+            break
+        time.sleep(0.2)
+    assert mine and mine[0]["status"] == "failed", mine
+    with pytest.raises(ClientError) as e:
+        lam.invoke(FunctionName="describe", InvocationType="Event",
+                   Payload=json.dumps({"pad": "x" * (256 * 1024)}).encode())
+    assert e.value.response["Error"]["Code"] == "RequestEntityTooLargeException"
+
+
 def test_a_function_process_gets_its_template_memory_and_no_more(twin):
     """Each process the emulator runs a function in is held to the MemorySize infra/template.yaml gives
     that function (Lambda kills an invoke past it), by a memory cgroup of its own."""

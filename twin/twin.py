@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import boto3
+import botocore.config
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +35,9 @@ RUN_AS = "pghydrate"
 REGION = "us-east-1"
 ACCOUNT = "123456789012"
 PASSWORD = "Tw1n-S3cret-pw"
-FUNCTIONS = ["resolve", "describe", "plan", "warm", "maintain", "report"]
+# The state machine's functions (its ${XFunctionArn} placeholders), and every function the template builds.
+WORKFLOW_FUNCTIONS = ["resolve", "describe", "plan", "warm", "maintain", "report"]
+FUNCTIONS = WORKFLOW_FUNCTIONS + ["capture"]
 TEMPLATE = ROOT / "infra" / "template.yaml"
 # Lambda gives a function CPU in proportion to its memory: 1,769 MB is one vCPU (AWS Lambda developer
 # guide, "Configuring Lambda function memory").
@@ -355,6 +358,8 @@ class Twin:
     def function_env(self, lambda_timeout: int, margin: int) -> dict:
         return {
             "AWS_ENDPOINT_URL": self.endpoint,
+            # Lambda's own API (the capture function starts its per-instance calls): the shim.
+            "AWS_ENDPOINT_URL_LAMBDA": f"http://127.0.0.1:{self.shim_port}",
             "AWS_ACCESS_KEY_ID": "twin",
             "AWS_SECRET_ACCESS_KEY": "twin",
             "AWS_REGION": REGION,
@@ -385,8 +390,15 @@ class Twin:
                 "--timeout", "900", "--concurrency", "64"]
         if os.environ.get("PGHYDRATE_TWIN_RELEASE") == "1":
             args.append("--release")
+        # An env file, not --env-var: --env-var K=V splits V at its commas (K=a,b is K=a and b=...), and
+        # some values are lists (PGHYDRATE_CAPTURE_INSTANCES).
+        env_file = self.workdir / "functions.env"
+        lines = []
         for k, v in self.function_env(lambda_timeout, margin).items():
-            args += ["--env-var", f"{k}={v}"]
+            assert "\n" not in v and "'" not in v, f"{k}: a value the env file cannot carry: {v!r}"
+            lines.append(f"{k}='{v}'")
+        env_file.write_text("\n".join(lines) + "\n")
+        args += ["--env-file", str(env_file)]
         env = dict(os.environ)
         env["PATH"] = f"{HOME / 'twinvenv' / 'bin'}:{env['PATH']}"
         watch = self._spawn("watch", args, env=env, cwd=ROOT)
@@ -423,7 +435,7 @@ class Twin:
         self.secret_arn = self.client("secretsmanager").create_secret(
             Name="pghydrate-twin-db", SecretString=json.dumps({"username": "postgres", "password": PASSWORD}))["ARN"]
         definition = (ROOT / "statemachine" / "hydrate.asl.json").read_text()
-        subs = {f"{fn.capitalize()}FunctionArn": fn for fn in FUNCTIONS}
+        subs = {f"{fn.capitalize()}FunctionArn": fn for fn in WORKFLOW_FUNCTIONS}
         subs.update(StateBucket="pghydrate-twin-state", StatePrefix="runs/")
         used = set(re.findall(r"\$\{(\w+)\}", definition))
         assert used == set(subs), f"placeholders {used} vs substitutions {set(subs)}"
@@ -478,6 +490,20 @@ class Twin:
     def deliveries(self) -> list:
         """Every EventBridge -> Step Functions delivery so far (moto_ext)."""
         return json.load(urllib.request.urlopen(f"http://127.0.0.1:{self.control_port}/deliveries"))["deliveries"]
+
+    def async_invocations(self) -> list:
+        """Every asynchronous Lambda invoke so far, with its outcome (moto_ext's shim)."""
+        return json.load(urllib.request.urlopen(f"http://127.0.0.1:{self.control_port}/async-invocations"))["invocations"]
+
+    def invoke(self, function: str, payload) -> tuple:
+        """A synchronous invoke through the Lambda API, as a caller on AWS makes it: (function error or
+        None, the decoded response)."""
+        lam = boto3.client("lambda", region_name=REGION, endpoint_url=f"http://127.0.0.1:{self.shim_port}",
+                           aws_access_key_id="twin", aws_secret_access_key="twin",
+                           config=botocore.config.Config(read_timeout=900, retries={"max_attempts": 1}))
+        r = lam.invoke(FunctionName=f"arn:aws:lambda:{REGION}:{ACCOUNT}:function:{function}",
+                       Payload=json.dumps(payload).encode())
+        return r.get("FunctionError"), json.loads(r["Payload"].read() or b"null")
 
     def describes(self) -> dict:
         return json.load(urllib.request.urlopen(f"http://127.0.0.1:{self.control_port}/describes"))
