@@ -13,7 +13,7 @@ BUILD=$HOME_DIR/sam-build
   --build-dir "$BUILD" --cache-dir "$HOME_DIR/sam-cache" >"$HOME_DIR/sam-build.log" 2>&1 \
   || { tail -40 "$HOME_DIR/sam-build.log"; exit 1; }
 count=0
-for fn in Resolve Describe Plan Warm Maintain Report; do
+for fn in Resolve Describe Plan Warm Maintain Report Capture; do
   f="$BUILD/${fn}Function/bootstrap"
   file -b "$f" | grep -q "ELF 64-bit LSB .*x86-64" || { echo "sam build: $f is not an x86-64 executable"; exit 1; }
   count=$((count + 1))

@@ -94,6 +94,11 @@ enum Command {
         /// Skip databases matching this glob (repeatable).
         #[arg(long = "exclude-database", value_name = "GLOB")]
         exclude_databases: Vec<String>,
+        /// Capture nothing when the server has been up for less than this many minutes (its buffers
+        /// then hold what the first queries and any hydration read, not yet the application's hot set;
+        /// every database keeps its previous capture). For captures from cron. Default: 0.
+        #[arg(long, value_name = "MINUTES", default_value_t = 0)]
+        min_uptime: u32,
         /// Remove the stored hot set (its tables and the schema pghydrate) from every database instead.
         #[arg(long)]
         drop: bool,
@@ -541,7 +546,16 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
             drive(&spec, &mut state, &opts, &out, Path::new("pghydrate-continuation.json")).await
         }
         Command::Start(args) => start(args).await,
-        Command::Capture { conn, timeouts, max_ranges, include_databases, exclude_databases, drop, json } => {
+        Command::Capture {
+            conn,
+            timeouts,
+            max_ranges,
+            include_databases,
+            exclude_databases,
+            min_uptime,
+            drop,
+            json,
+        } => {
             let spec = spec_of(&conn, &timeouts)?;
             if drop {
                 let mut failed = false;
@@ -557,7 +571,13 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
                 }
                 return Ok(if failed { exit::INCOMPLETE } else { exit::COMPLETE });
             }
-            let opts = pghydrate::hotset::CaptureOptions { max_ranges, include_databases, exclude_databases };
+            let opts = pghydrate::hotset::CaptureOptions {
+                max_ranges,
+                include_databases,
+                exclude_databases,
+                min_uptime: (min_uptime > 0).then(|| std::time::Duration::from_secs(u64::from(min_uptime) * 60)),
+                deadline: None,
+            };
             let captured = pghydrate::hotset::capture(&spec, &opts).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&captured).expect("capture report serializes"));

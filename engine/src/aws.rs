@@ -356,6 +356,20 @@ pub async fn acquire_lease(
     })
 }
 
+/// The execution that holds the instance's lease now (see [`holder_holds`]), if any: a hydration
+/// run in progress, whose reads are what the instance's buffers hold.
+pub async fn lease_holder(
+    s3: &aws_sdk_s3::Client,
+    sfn: &aws_sdk_sfn::Client,
+    bucket: &str,
+    instance: &str,
+) -> Result<Option<String>> {
+    let Some((data, _)) = read_lease(s3, bucket, &lease_key(instance)).await? else { return Ok(None) };
+    let Ok(h) = serde_json::from_slice::<LeaseHolder>(&data) else { return Ok(None) };
+    let running = execution_running(sfn, &h.execution_arn).await?;
+    Ok(holder_holds(running, &h.since, std::time::SystemTime::now()).then_some(h.execution))
+}
+
 /// Gives the instance's lease back if `execution` holds it (a lease taken over by another run is left
 /// alone). Returns whether one was released.
 pub async fn release_lease(s3: &aws_sdk_s3::Client, bucket: &str, instance: &str, execution: &str) -> Result<bool> {

@@ -210,11 +210,25 @@ pub struct CaptureOptions {
     /// Database name globs; empty: every database with cached blocks.
     pub include_databases: Vec<String>,
     pub exclude_databases: Vec<String>,
+    /// Capture nothing from a server up for less than this: right after a restart (or a restore, a
+    /// failover) its buffers hold what the first queries and any hydration read, not yet the
+    /// application's hot set, and a capture would replace a good one with that.
+    pub min_uptime: Option<std::time::Duration>,
+    /// Start no database's capture after this instant (a Lambda call's deadline less its margin):
+    /// databases are captured hottest first (most cached buffers), so what time allows is what matters
+    /// most; the rest are reported not captured and keep their previous capture.
+    pub deadline: Option<Instant>,
 }
 
 impl Default for CaptureOptions {
     fn default() -> Self {
-        CaptureOptions { max_ranges: DEFAULT_MAX_RANGES, include_databases: Vec::new(), exclude_databases: Vec::new() }
+        CaptureOptions {
+            max_ranges: DEFAULT_MAX_RANGES,
+            include_databases: Vec::new(),
+            exclude_databases: Vec::new(),
+            min_uptime: None,
+            deadline: None,
+        }
     }
 }
 
@@ -255,14 +269,25 @@ pub struct CaptureReport {
     /// Databases with cached blocks that were left out by the patterns or cannot be connected to.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub left_out: Vec<String>,
+    /// Seconds since the server started (pg_postmaster_start_time).
+    #[serde(default)]
+    pub uptime_seconds: f64,
+    /// Why nothing was captured on purpose (a server up for less than the minimum uptime): every
+    /// database keeps its previous capture. Not a failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
 }
 
 impl CaptureReport {
+    /// Every database with cached blocks was captured, or nothing was, on purpose ([`Self::skipped`]).
     pub fn complete(&self) -> bool {
         self.databases.iter().all(|d| d.error.is_none())
     }
 
     pub fn summary(&self) -> String {
+        if let Some(why) = &self.skipped {
+            return format!("captured nothing: {why}; every database keeps its previous capture\n");
+        }
         let mut out = format!(
             "captured the hot set of {} database(s): {} of {} buffers cached ({}), read in {:.2} s, {:.2} s in all\n",
             self.databases.iter().filter(|d| d.error.is_none()).count(),
@@ -329,6 +354,32 @@ pub async fn capture(spec: &ConnectionSpec, opts: &CaptureOptions) -> Result<Cap
              against the primary"
                 .into(),
         ));
+    }
+    let uptime = client
+        .query_one("SELECT extract(epoch FROM pg_catalog.now() - pg_catalog.pg_postmaster_start_time())::float8", &[])
+        .await
+        .map_err(|e| Error::query("reading the server's start time", e))?;
+    let uptime_seconds: f64 = uptime.get(0);
+    if let Some(min) = opts.min_uptime.filter(|m| uptime_seconds < m.as_secs_f64()) {
+        let why = format!(
+            "the server started {} ago, less than the minimum uptime of {}: its buffers do not hold the \
+             application's hot set yet",
+            minutes(uptime_seconds),
+            minutes(min.as_secs_f64())
+        );
+        info!(uptime_seconds, min_uptime_seconds = min.as_secs(), "hot set not captured: the server is too young");
+        return Ok(CaptureReport {
+            server: server.version.clone(),
+            block_size: server.block_size,
+            shared_buffers: 0,
+            buffers_cached: 0,
+            read_seconds: 0.0,
+            seconds: started.elapsed().as_secs_f64(),
+            databases: Vec::new(),
+            left_out: Vec::new(),
+            uptime_seconds,
+            skipped: Some(why),
+        });
     }
     let Some(read) =
         crate::sql::buffercache_runs(&client).await.map_err(|e| Error::query("finding pg_buffercache", e))?
@@ -402,6 +453,9 @@ pub async fn capture(spec: &ConnectionSpec, opts: &CaptureOptions) -> Result<Cap
             r.get::<_, i64>(7) as u64,
         ));
     }
+    // Hottest first (most buffers; then by name): a deadline leaves out what matters least.
+    let mut by_db: Vec<(String, Vec<Run>)> = by_db.into_iter().collect();
+    by_db.sort_by_key(|(name, runs)| (std::cmp::Reverse(runs.iter().map(|r| r.5).sum::<u64>()), name.clone()));
     let mut databases = Vec::new();
     for (db, runs) in by_db {
         let buffers: u64 = runs.iter().map(|r| r.5).sum();
@@ -417,6 +471,16 @@ pub async fn capture(spec: &ConnectionSpec, opts: &CaptureOptions) -> Result<Cap
             table_bytes: None,
             error: None,
         };
+        if opts.deadline.is_some_and(|until| Instant::now() >= until) {
+            warn!(database = %db, "hot set not captured: out of time");
+            d.error = Some(
+                "not captured: the time ran out first (databases are captured hottest first); its previous capture, \
+                 if any, stays"
+                    .into(),
+            );
+            databases.push(d);
+            continue;
+        }
         match capture_database(spec, &server, &db, runs, shared_buffers, opts.max_ranges, &mut d).await {
             Ok(()) => info!(database = %db, ranges = d.ranges, blocks = d.blocks, "hot set captured"),
             Err(e) => {
@@ -435,7 +499,21 @@ pub async fn capture(spec: &ConnectionSpec, opts: &CaptureOptions) -> Result<Cap
         seconds: started.elapsed().as_secs_f64(),
         databases,
         left_out,
+        uptime_seconds,
+        skipped: None,
     })
+}
+
+/// "42 min", "3.5 h", "2.0 d".
+fn minutes(seconds: f64) -> String {
+    let m = seconds / 60.0;
+    if m < 120.0 {
+        format!("{m:.0} min")
+    } else if m < 48.0 * 60.0 {
+        format!("{:.1} h", m / 60.0)
+    } else {
+        format!("{:.1} d", m / 1440.0)
+    }
 }
 
 async fn capture_database(

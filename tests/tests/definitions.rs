@@ -58,7 +58,7 @@ fn every_function_the_template_builds_is_a_crate_of_the_workspace() {
     let template = read("infra/template.yaml");
     let workspace = read("Cargo.toml");
     let binaries: Vec<&str> = template.lines().filter_map(|l| l.trim().strip_prefix("Binary: ")).collect();
-    assert_eq!(binaries.len(), 6, "{binaries:?}");
+    assert_eq!(binaries.len(), 7, "{binaries:?}");
     for b in binaries {
         assert!(workspace.contains(&format!("\"functions/{b}\"")), "functions/{b} is not a workspace member");
         assert!(root().join("functions").join(b).join("src/main.rs").exists(), "functions/{b}/src/main.rs");

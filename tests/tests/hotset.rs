@@ -431,3 +431,73 @@ async fn capture_says_what_it_needs_and_a_replica_replays_the_primarys_capture()
 }
 
 pghydrate_tests::on_oldest_and_newest!(a_captured_hot_set_is_read_first_and_every_block_still_once);
+
+/// What the scheduled capture relies on: a server up for less than the minimum uptime captures nothing
+/// and every database keeps its previous capture (its buffers would be the first queries', not the
+/// application's hot set); databases are captured hottest first; one whose turn comes after the deadline
+/// is reported not captured, and keeps its previous capture too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_young_server_or_a_deadline_keeps_the_previous_capture() {
+    let cluster = Cluster::start(15, &["shared_buffers = 64MB"]);
+    let admin = cluster.client("postgres").await;
+    for sql in ["CREATE EXTENSION pg_buffercache", "CREATE DATABASE big", "CREATE DATABASE small"] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    for (db, rows) in [("big", 200_000), ("small", 20_000)] {
+        let c = cluster.client(db).await;
+        c.batch_execute(&format!(
+            "CREATE TABLE t (id int PRIMARY KEY, v text); INSERT INTO t SELECT i, 'v' || i FROM generate_series(1, {rows}) i;
+             SELECT count(*) FROM t"
+        ))
+        .await
+        .unwrap();
+    }
+    let work = tmp(&cluster);
+    let url = cluster.superuser_url("postgres");
+    let (code, out, err) =
+        cli(&["capture", "--json", "--include-database", "big", "--include-database", "small", &url], &work);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let first: CaptureReport = serde_json::from_str(&out).unwrap();
+    let order: Vec<&str> = first.databases.iter().map(|d| d.database.as_str()).collect();
+    assert_eq!(order, ["big", "small"], "hottest first: {first:?}");
+    assert!(first.databases[0].buffers > first.databases[1].buffers, "{first:?}");
+    assert!(first.uptime_seconds >= 0.0 && first.skipped.is_none());
+    let stamp = |db: &'static str| {
+        let cluster = &cluster;
+        async move {
+            let c = cluster.client(db).await;
+            let r = c
+                .query_one(
+                    "SELECT (SELECT captured_at::text FROM pghydrate.capture), count(*) FROM pghydrate.hot_set",
+                    &[],
+                )
+                .await
+                .unwrap();
+            (r.get::<_, String>(0), r.get::<_, i64>(1))
+        }
+    };
+    let before = (stamp("big").await, stamp("small").await);
+    assert!(before.0 .1 > 0 && before.1 .1 > 0, "{before:?}");
+
+    // Restarted a moment ago: nothing captured, exit 0, and why.
+    cluster.restart();
+    let (code, out, err) = cli(&["capture", "--min-uptime", "60", "--include-database", "*", &url], &work);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("captured nothing: the server started") && out.contains("minimum uptime of 60 min"), "{out}");
+    assert_eq!((stamp("big").await, stamp("small").await), before, "every previous capture kept");
+
+    // A deadline already past: each database reported, none written.
+    let opts = pghydrate::hotset::CaptureOptions {
+        include_databases: vec!["big".into(), "small".into()],
+        deadline: Some(std::time::Instant::now()),
+        ..Default::default()
+    };
+    let c = cluster.client("big").await;
+    c.batch_execute("SELECT count(*) FROM t").await.unwrap();
+    let late = pghydrate::hotset::capture(&cluster.superuser_spec(), &opts).await.unwrap();
+    assert!(!late.complete() && !late.databases.is_empty(), "{late:?}");
+    for d in &late.databases {
+        assert!(d.error.as_deref().is_some_and(|e| e.contains("time ran out")), "{d:?}");
+    }
+    assert_eq!((stamp("big").await, stamp("small").await), before, "every previous capture kept");
+}

@@ -127,7 +127,19 @@ impl DbConfig {
 
     /// Credentials from the run's source, then a connection spec to the endpoint.
     pub async fn connect_spec(&self, aws: &Aws, run: &RunConfig, endpoint: &Endpoint) -> Result<ConnectionSpec, Error> {
-        let arn = match &run.credentials {
+        self.connect_spec_as(aws, &run.credentials, endpoint, format!("pghydrate {}", run.execution)).await
+    }
+
+    /// Credentials from `credentials`, then a connection spec to the endpoint whose sessions show
+    /// `application_name` in pg_stat_activity.
+    pub async fn connect_spec_as(
+        &self,
+        aws: &Aws,
+        credentials: &Credentials,
+        endpoint: &Endpoint,
+        application_name: String,
+    ) -> Result<ConnectionSpec, Error> {
+        let arn = match credentials {
             Credentials::Secret { arn } => arn.clone(),
             Credentials::ManagedSecret => endpoint.master_secret_arn.clone().ok_or_else(|| {
                 Error::InvalidInput(
@@ -144,13 +156,13 @@ impl DbConfig {
                 let token = iam_token(aws, endpoint, user).await?;
                 return Ok(endpoint_spec(endpoint, user, &token, self.tls, self.ca_file.clone())?
                     .with_timeouts(self.lock_timeout, Duration::from_secs(300))
-                    .with_application_name(format!("pghydrate {}", run.execution)));
+                    .with_application_name(application_name));
             }
         };
         let (user, password) = pghydrate::aws::secret_credentials(&aws.secrets, &arn).await?;
         Ok(endpoint_spec(endpoint, &user, &password, self.tls, self.ca_file.clone())?
             .with_timeouts(self.lock_timeout, Duration::from_secs(300))
-            .with_application_name(format!("pghydrate {}", run.execution)))
+            .with_application_name(application_name))
     }
 }
 
