@@ -80,17 +80,26 @@ def main():
             pg.psql(fill, db="app")
             for i in range(args.runs):
                 t = time.monotonic()
-                out = subprocess.run([str(PGHYDRATE), "capture", "--json", "--include-database", "app", url],
-                                     check=True, capture_output=True, text=True).stdout
-                wall = time.monotonic() - t
+                with tempfile.TemporaryFile(mode="w+") as stdout:
+                    p = subprocess.Popen([str(PGHYDRATE), "capture", "--json", "--include-database", "app", url],
+                                         stdout=stdout)
+                    _, status, usage = os.wait4(p.pid, 0)
+                    wall = time.monotonic() - t
+                    if os.waitstatus_to_exitcode(status) != 0:
+                        raise SystemExit(f"bench-capture: pghydrate capture exited {os.waitstatus_to_exitcode(status)}")
+                    stdout.seek(0)
+                    out = stdout.read()
+                peak_mib = usage.ru_maxrss / 1024  # Linux: KiB
                 c = json.loads(out)
                 d = c["databases"][0]
                 rows.append({"shape": shape, "run": i + 1, "shared_buffers": c["shared_buffers"],
                              "buffers_cached": c["buffers_cached"], "runs": d["runs"], "ranges": d["ranges"],
                              "largest_gap_merged": d["largest_gap_merged"], "read_seconds": c["read_seconds"],
-                             "capture_seconds": c["seconds"], "wall_seconds": wall, "table_bytes": d["table_bytes"]})
+                             "capture_seconds": c["seconds"], "wall_seconds": wall, "table_bytes": d["table_bytes"],
+                             "peak_rss_mib": peak_mib})
                 print(f"bench-capture: {shape} #{i + 1}: {d['runs']} runs -> {d['ranges']} ranges, "
-                      f"read {c['read_seconds']:.2f} s, capture {c['seconds']:.2f} s", flush=True)
+                      f"read {c['read_seconds']:.2f} s, capture {c['seconds']:.2f} s, peak RSS {peak_mib:.0f} MiB",
+                      flush=True)
     finally:
         pg.stop()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -98,12 +107,12 @@ def main():
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"major": args.major, "shared_buffers": args.shared_buffers, "rows": rows}, indent=1))
     print()
-    print("| cache holds | run | buffers cached | runs | ranges stored | pg_buffercache read (s) | capture (s) | hot_set table |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| cache holds | run | buffers cached | runs | ranges stored | pg_buffercache read (s) | capture (s) | hot_set table | peak RSS of capture |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['run']} | {r['buffers_cached']:,} of {r['shared_buffers']:,} | {r['runs']:,} | "
               f"{r['ranges']:,} | {r['read_seconds']:.2f} | {r['capture_seconds']:.2f} | "
-              f"{r['table_bytes'] / 2**20:.2f} MiB |")
+              f"{r['table_bytes'] / 2**20:.2f} MiB | {r['peak_rss_mib']:.0f} MiB |")
 
 
 if __name__ == "__main__":

@@ -390,9 +390,65 @@ pub async fn capture(spec: &ConnectionSpec, opts: &CaptureOptions) -> Result<Cap
             quote_ident(&server.login_role)
         )));
     };
+    let settings = client
+        .query_one(
+            "SELECT pg_catalog.pg_size_bytes(current_setting('shared_buffers')) / current_setting('block_size')::int8",
+            &[],
+        )
+        .await
+        .map_err(|e| Error::query("reading shared_buffers", e))?;
+    let shared_buffers = settings.get::<_, i64>(0) as u64;
+    let dbs = client
+        .query("SELECT oid, datname::text, datallowconn AND NOT datistemplate FROM pg_catalog.pg_database", &[])
+        .await
+        .map_err(|e| Error::query("listing databases", e))?;
+    let names: HashMap<u32, (String, bool)> = dbs.iter().map(|r| (r.get(0), (r.get(1), r.get(2)))).collect();
+
+    // Runs per database: (tablespace, filenode, fork, first, last, buffers, usage).
+    type Run = (u32, u32, Fork, u64, u64, u64, u64);
+    let mut by_db: BTreeMap<String, Vec<Run>> = BTreeMap::new();
+    let mut left_out = Vec::new();
+    let mut buffers_cached = 0;
+    // Streamed, each row kept as a 48-byte run as it arrives: a row of the driver takes a few hundred
+    // bytes, and a scattered cache of 64 GiB can have millions of runs (docs/benchmark.md, "capture").
     let bound = client_bound(spec.statement_timeout(), std::time::Duration::from_secs(600));
     let read_started = Instant::now();
-    let rows = bounded(spec, &client, bound, client.query(read.as_str(), &[])).await.map_err(|f| match f {
+    let read_runs = async {
+        let no_params: [&(dyn tokio_postgres::types::ToSql + Sync); 0] = [];
+        let stream = client
+            .query_raw(read.as_str(), no_params.iter().map(|p| *p as &dyn tokio_postgres::types::ToSql))
+            .await?;
+        futures_util::pin_mut!(stream);
+        while let Some(r) = futures_util::TryStreamExt::try_next(&mut stream).await? {
+            let db: u32 = r.get(0);
+            let Some(fork) = fork_from_number(r.get(3)) else { continue };
+            let buffers = r.get::<_, i64>(6) as u64;
+            buffers_cached += buffers;
+            let Some((name, connectable)) = names.get(&db) else { continue };
+            let included = if opts.include_databases.is_empty() {
+                !crate::catalog::DEFAULT_EXCLUDED_DATABASES.contains(&name.as_str())
+            } else {
+                opts.include_databases.iter().any(|p| crate::pattern::glob(p, name))
+            };
+            if !connectable || !included || opts.exclude_databases.iter().any(|p| crate::pattern::glob(p, name)) {
+                if !left_out.contains(name) {
+                    left_out.push(name.clone());
+                }
+                continue;
+            }
+            by_db.entry(name.clone()).or_default().push((
+                r.get(1),
+                r.get(2),
+                fork,
+                r.get::<_, i64>(4) as u64,
+                r.get::<_, i64>(5) as u64,
+                buffers,
+                r.get::<_, i64>(7) as u64,
+            ));
+        }
+        Ok::<(), tokio_postgres::Error>(())
+    };
+    bounded(spec, &client, bound, read_runs).await.map_err(|f| match f {
         crate::bounded::Failed::Server(e)
             if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) =>
         {
@@ -406,53 +462,7 @@ pub async fn capture(spec: &ConnectionSpec, opts: &CaptureOptions) -> Result<Cap
         other => other.into_error(spec.target(), "reading pg_buffercache"),
     })?;
     let read_seconds = read_started.elapsed().as_secs_f64();
-    let settings = client
-        .query_one(
-            "SELECT pg_catalog.pg_size_bytes(current_setting('shared_buffers')) / current_setting('block_size')::int8",
-            &[],
-        )
-        .await
-        .map_err(|e| Error::query("reading shared_buffers", e))?;
-    let shared_buffers = settings.get::<_, i64>(0) as u64;
-    let dbs = client
-        .query("SELECT oid, datname::text, datallowconn AND NOT datistemplate FROM pg_catalog.pg_database", &[])
-        .await
-        .map_err(|e| Error::query("listing databases", e))?;
     drop(client);
-    let names: HashMap<u32, (String, bool)> = dbs.iter().map(|r| (r.get(0), (r.get(1), r.get(2)))).collect();
-
-    // Runs per database: (tablespace, filenode, fork, first, last, buffers, usage).
-    type Run = (u32, u32, Fork, u64, u64, u64, u64);
-    let mut by_db: BTreeMap<String, Vec<Run>> = BTreeMap::new();
-    let mut left_out = Vec::new();
-    let mut buffers_cached = 0;
-    for r in &rows {
-        let db: u32 = r.get(0);
-        let Some(fork) = fork_from_number(r.get(3)) else { continue };
-        let buffers = r.get::<_, i64>(6) as u64;
-        buffers_cached += buffers;
-        let Some((name, connectable)) = names.get(&db) else { continue };
-        let included = if opts.include_databases.is_empty() {
-            !crate::catalog::DEFAULT_EXCLUDED_DATABASES.contains(&name.as_str())
-        } else {
-            opts.include_databases.iter().any(|p| crate::pattern::glob(p, name))
-        };
-        if !connectable || !included || opts.exclude_databases.iter().any(|p| crate::pattern::glob(p, name)) {
-            if !left_out.contains(name) {
-                left_out.push(name.clone());
-            }
-            continue;
-        }
-        by_db.entry(name.clone()).or_default().push((
-            r.get(1),
-            r.get(2),
-            fork,
-            r.get::<_, i64>(4) as u64,
-            r.get::<_, i64>(5) as u64,
-            buffers,
-            r.get::<_, i64>(7) as u64,
-        ));
-    }
     // Hottest first (most buffers; then by name): a deadline leaves out what matters least.
     let mut by_db: Vec<(String, Vec<Run>)> = by_db.into_iter().collect();
     by_db.sort_by_key(|(name, runs)| (std::cmp::Reverse(runs.iter().map(|r| r.5).sum::<u64>()), name.clone()));
