@@ -415,9 +415,8 @@ pub async fn capture(spec: &ConnectionSpec, opts: &CaptureOptions) -> Result<Cap
     let read_started = Instant::now();
     let read_runs = async {
         let no_params: [&(dyn tokio_postgres::types::ToSql + Sync); 0] = [];
-        let stream = client
-            .query_raw(read.as_str(), no_params.iter().map(|p| *p as &dyn tokio_postgres::types::ToSql))
-            .await?;
+        let stream =
+            client.query_raw(read.as_str(), no_params.iter().map(|p| *p as &dyn tokio_postgres::types::ToSql)).await?;
         futures_util::pin_mut!(stream);
         while let Some(r) = futures_util::TryStreamExt::try_next(&mut stream).await? {
             let db: u32 = r.get(0);
