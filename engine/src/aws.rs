@@ -335,15 +335,7 @@ pub async fn acquire_lease(
         };
         match serde_json::from_slice::<LeaseHolder>(&data) {
             Ok(h) if h.execution == me.execution => return Ok(Lease::Acquired { took_over: None }),
-            Ok(h)
-                if holder_holds(
-                    execution_running(sfn, &h.execution_arn).await?,
-                    &h.since,
-                    std::time::SystemTime::now(),
-                ) =>
-            {
-                return Ok(Lease::HeldBy(h.execution))
-            }
+            Ok(h) if holds_now(sfn, &h).await? => return Ok(Lease::HeldBy(h.execution)),
             Ok(h) => took_over = Some(h.execution),
             Err(_) => took_over = Some(format!("an unreadable lease object {key}")),
         }
@@ -366,8 +358,13 @@ pub async fn lease_holder(
 ) -> Result<Option<String>> {
     let Some((data, _)) = read_lease(s3, bucket, &lease_key(instance)).await? else { return Ok(None) };
     let Ok(h) = serde_json::from_slice::<LeaseHolder>(&data) else { return Ok(None) };
+    Ok(holds_now(sfn, &h).await?.then_some(h.execution))
+}
+
+/// Whether `h` holds its lease now ([`holder_holds`], asking Step Functions whether it runs).
+async fn holds_now(sfn: &aws_sdk_sfn::Client, h: &LeaseHolder) -> Result<bool> {
     let running = execution_running(sfn, &h.execution_arn).await?;
-    Ok(holder_holds(running, &h.since, std::time::SystemTime::now()).then_some(h.execution))
+    Ok(holder_holds(running, &h.since, std::time::SystemTime::now()))
 }
 
 /// Gives the instance's lease back if `execution` holds it (a lease taken over by another run is left

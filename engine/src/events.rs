@@ -46,6 +46,17 @@ pub enum Credentials {
     Iam { user: String },
 }
 
+impl Credentials {
+    /// The deployment's default: the secret PGHYDRATE_SECRET_ARN names (the stack's SecretArn), or each
+    /// instance's RDS-managed master secret when it is empty.
+    pub fn deployment_default(secret_arn: Option<String>) -> Credentials {
+        match secret_arn.filter(|v| !v.trim().is_empty()) {
+            Some(arn) => Credentials::Secret { arn },
+            None => Credentials::ManagedSecret,
+        }
+    }
+}
+
 /// Options a manual start may override; the workflow fills the rest from its configuration.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -453,10 +453,7 @@ impl Defaults {
                 _ => return Err(Error::InvalidInput(format!("PGHYDRATE_REQUIRED_TAG={t:?} is not key=value"))),
             },
         };
-        let credentials = match get("PGHYDRATE_SECRET_ARN").filter(|v| !v.trim().is_empty()) {
-            Some(arn) => crate::events::Credentials::Secret { arn },
-            None => crate::events::Credentials::ManagedSecret,
-        };
+        let credentials = crate::events::Credentials::deployment_default(get("PGHYDRATE_SECRET_ARN"));
         let d = Defaults {
             sessions: num(get, "PGHYDRATE_SESSIONS", 64)?,
             call_sessions: num(get, "PGHYDRATE_CALL_SESSIONS", 64)?,

@@ -40,16 +40,10 @@ struct Config {
     bucket: String,
 }
 
-/// An RDS DB instance identifier: 1 to 63 letters, digits and hyphens, starting with a letter, no
-/// two hyphens in a row, not ending with one. RDS stores it in lower case.
+/// A DB instance identifier ([`pghydrate::events::valid_instance_id`]), in lower case as RDS stores it.
 fn instance_identifier(s: &str) -> Result<String, String> {
     let id = s.trim().to_ascii_lowercase();
-    let ok = (1..=63).contains(&id.len())
-        && id.starts_with(|c: char| c.is_ascii_lowercase())
-        && id.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-        && !id.ends_with('-')
-        && !id.contains("--");
-    if ok {
+    if pghydrate::events::valid_instance_id(&id) {
         Ok(id)
     } else {
         Err(format!("{s:?} is not a DB instance identifier (letters, digits and hyphens, starting with a letter)"))
@@ -80,10 +74,7 @@ impl Config {
                 Error::InvalidInput(format!("PGHYDRATE_CAPTURE_MIN_UPTIME_MINUTES={v:?} is not a number of minutes"))
             })?,
         };
-        let credentials = match get("PGHYDRATE_SECRET_ARN") {
-            Some(arn) => Credentials::Secret { arn },
-            None => Credentials::ManagedSecret,
-        };
+        let credentials = Credentials::deployment_default(get("PGHYDRATE_SECRET_ARN"));
         let bucket = get("PGHYDRATE_STATE_BUCKET")
             .ok_or_else(|| Error::InvalidInput("PGHYDRATE_STATE_BUCKET is not set".into()))?;
         Ok(Config { instances, min_uptime, credentials, bucket })
