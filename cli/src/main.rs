@@ -202,8 +202,8 @@ struct PlanArgs {
     /// Do not CREATE EXTENSION pg_prewarm where it is missing (those databases are then skipped).
     #[arg(long)]
     no_create_extension: bool,
-    /// Ignore hot sets stored by `pghydrate capture` (by default their ranges are read first, hottest
-    /// first, after the --first tables).
+    /// Ignore hot sets stored by `pghydrate capture` (by default their ranges are read first, after the
+    /// --first tables: by 8 MiB region, the most heat per block first, each in block order).
     #[arg(long)]
     no_hot_set: bool,
     /// Databases planned at once, a session each (never more than half the server's free connection

@@ -324,7 +324,7 @@ pub struct HotSpan {
 pub struct HotSetPlan {
     /// Per database with a capture: when it was taken and what of it the plan uses.
     pub databases: Vec<crate::hotset::HotSetUse>,
-    /// The hot phase's ranges, hottest first, as they are in `Plan::ranges` (a range of them may be
+    /// The hot phase's ranges, hottest region first, as they are in `Plan::ranges` (a range of them may be
     /// joined with its neighbours in the outcomes: the report intersects, it does not match).
     pub ranges: Vec<BlockRange>,
 }
@@ -335,10 +335,18 @@ impl HotSetPlan {
     }
 }
 
+/// The hot phase reads by region: an aligned window of this many blocks of a fork (8 MiB of 8 KiB
+/// blocks), hottest region first, each region's hot blocks in block order. Hottest span first instead
+/// put a lukewarm hot set's 512 KiB units in random order over a large table, one statement each: on
+/// the lazy-volume simulator the hot phase then kept its fetch slots busy about 10% less than the
+/// sequential rest (`scripts/bench-normal.py --keys old`, docs/benchmark.md).
+pub const HOT_REGION_BLOCKS: u64 = 1024;
+
 /// Builds the reading order for the forks that are to be read, in three phases:
 /// 1. forks of tables matching a `first` pattern, whole, in pattern order (the user said so);
-/// 2. the captured hot set (`hot`), hottest span first, each block once however the spans overlap,
-///    clipped to the fork's size now (a span wholly past it is dropped);
+/// 2. the captured hot set (`hot`), each block once however the spans overlap, clipped to the fork's
+///    size now (a span wholly past it is dropped), by region ([`HOT_REGION_BLOCKS`]): the regions with
+///    the most heat per block first, each region's hot blocks in block order, adjacent spans joined;
 /// 3. the rest: forks of at least one full range ("large"), newest blocks first, then the small forks
 ///    grouped by database (so that sessions do not hop between databases), largest first; a fork with
 ///    hot spans contributes only the blocks the hot phase did not read.
@@ -389,15 +397,52 @@ pub fn order_ranges(
         let heat = |h: f32| if h.is_nan() { f32::NEG_INFINITY } else { h };
         heat(b.heat).total_cmp(&heat(a.heat)).then(a.fork.cmp(&b.fork)).then(a.first.cmp(&b.first))
     });
-    // Per fork: the disjoint block intervals phase 2 reads, first -> last.
+    // Per fork: the disjoint block intervals phase 2 reads, first -> last. Where spans overlap, a block
+    // counts with the hottest span's heat.
     let mut taken: std::collections::HashMap<u32, std::collections::BTreeMap<u64, u64>> = Default::default();
-    let mut hot_ranges = Vec::new();
+    // Per region (a fork and an aligned window of HOT_REGION_BLOCKS): its heat times blocks, and the
+    // intervals of it phase 2 reads.
+    let mut regions: std::collections::HashMap<(u32, u64), (f64, Vec<(u64, u64)>)> = Default::default();
     for s in spans {
         let fork_taken = taken.entry(s.fork).or_default();
+        let heat = if s.heat.is_finite() { f64::from(s.heat.max(0.0)) } else { 0.0 };
         for (a, b) in uncovered(fork_taken, s.first, s.last) {
             fork_taken.insert(a, b);
+            let mut x = a;
+            while x <= b {
+                let region = x / HOT_REGION_BLOCKS;
+                let end = b.min((region + 1) * HOT_REGION_BLOCKS - 1);
+                let r = regions.entry((s.fork, region)).or_default();
+                r.0 += heat * (end - x + 1) as f64;
+                r.1.push((x, end));
+                x = end + 1;
+            }
+        }
+    }
+    // Hottest region first (heat per block of the region, so a small relation read hot whole comes
+    // before a large one's lukewarm stretch), each read in block order, adjacent intervals as one range.
+    let mut regions: Vec<((u32, u64), f64, Vec<(u64, u64)>)> = regions
+        .into_iter()
+        .map(|((fork, region), (mass, intervals))| {
+            let blocks = forks[fork as usize].blocks;
+            let size = HOT_REGION_BLOCKS.min(blocks - region * HOT_REGION_BLOCKS);
+            ((fork, region), mass / size as f64, intervals)
+        })
+        .collect();
+    regions.sort_by(|(ka, da, _), (kb, db, _)| db.total_cmp(da).then(ka.cmp(kb)));
+    let mut hot_ranges = Vec::new();
+    for ((fork, _), _, mut intervals) in regions {
+        intervals.sort_unstable();
+        let mut joined: Vec<(u64, u64)> = Vec::with_capacity(intervals.len());
+        for (a, b) in intervals {
+            match joined.last_mut() {
+                Some(last) if last.1 + 1 == a => last.1 = b,
+                _ => joined.push((a, b)),
+            }
+        }
+        for (a, b) in joined {
             for (x, y) in split_blocks(b - a + 1, range_blocks) {
-                hot_ranges.push(BlockRange { fork: s.fork, first: a + x, last: a + y });
+                hot_ranges.push(BlockRange { fork, first: a + x, last: a + y });
             }
         }
     }
@@ -521,8 +566,20 @@ mod tests {
             let (ranges, hot_ranges) = order_ranges(&forks, &[], range_blocks, &hot);
             prop_assert_eq!(&ranges[..hot_ranges.len()], &hot_ranges[..]);
             for r in &hot_ranges {
-                prop_assert!(hot.iter().any(|s| s.fork == r.fork && s.first <= r.first && r.last <= s.last));
+                // Within the union of the fork's spans (adjacent spans are read as one range).
+                let mut of_fork: Vec<(u64, u64)> =
+                    hot.iter().filter(|s| s.fork == r.fork).map(|s| (s.first, s.last)).collect();
+                of_fork.sort();
+                let mut union: Vec<(u64, u64)> = Vec::new();
+                for (a, b) in of_fork {
+                    match union.last_mut() {
+                        Some(last) if a <= last.1 + 1 => last.1 = last.1.max(b),
+                        _ => union.push((a, b)),
+                    }
+                }
+                prop_assert!(union.iter().any(|&(a, b)| a <= r.first && r.last <= b), "{:?} not in {:?}", r, union);
                 prop_assert!(r.blocks() <= range_blocks);
+                prop_assert_eq!(r.first / HOT_REGION_BLOCKS, r.last / HOT_REGION_BLOCKS, "{:?} crosses a region", r);
             }
             let mut per_fork: std::collections::BTreeMap<u32, Vec<(u64, u64)>> = Default::default();
             for r in &ranges { per_fork.entry(r.fork).or_default().push((r.first, r.last)); }
@@ -568,6 +625,37 @@ mod tests {
         };
         assert_eq!(firsts("bigger"), [250, 200, 150, 100, 50, 0]);
         assert_eq!(firsts("big"), [50, 0]);
+    }
+
+    /// The hot phase goes region by region, the most heat per block first, and reads a region's hot
+    /// blocks in block order, adjacent spans as one range, whatever their heat order; a small relation
+    /// read hot whole comes before a large one's lukewarm stretch.
+    #[test]
+    fn hot_spans_by_region_in_block_order() {
+        let r = HOT_REGION_BLOCKS;
+        let forks = vec![fork("a", "big", 4 * r), fork("a", "hot_index", 10)];
+        let span = |fork, first, last, heat| HotSpan { fork, first, last, heat };
+        let hot = [
+            // Region 2 of big: three units, lukewarm, given hottest first.
+            span(0, 2 * r + 640, 2 * r + 703, 1.5),
+            span(0, 2 * r + 64, 2 * r + 127, 1.0),
+            span(0, 2 * r + 128, 2 * r + 191, 1.2),
+            // Region 0 of big: one hot unit, less heat per block of the region than region 2.
+            span(0, 0, 63, 3.0),
+            // The small index, all of it hot.
+            span(1, 0, 9, 3.0),
+        ];
+        let (ranges, hot_ranges) = order_ranges(&forks, &[], 8192, &hot);
+        assert_eq!(
+            hot_ranges,
+            [
+                BlockRange { fork: 1, first: 0, last: 9 },
+                BlockRange { fork: 0, first: 2 * r + 64, last: 2 * r + 191 },
+                BlockRange { fork: 0, first: 2 * r + 640, last: 2 * r + 703 },
+                BlockRange { fork: 0, first: 0, last: 63 },
+            ]
+        );
+        assert_eq!(&ranges[..4], &hot_ranges[..]);
     }
 
     /// A `--first` table's large forks are read newest first too, before everything else; a hot span
