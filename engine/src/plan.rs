@@ -338,8 +338,8 @@ impl HotSetPlan {
 /// The hot phase reads by region: an aligned window of this many blocks of a fork (8 MiB of 8 KiB
 /// blocks), hottest region first, each region's hot blocks in block order. Hottest span first instead
 /// put a lukewarm hot set's 512 KiB units in random order over a large table, one statement each: on
-/// the lazy-volume simulator the hot phase then kept its fetch slots busy about 10% less than the
-/// sequential rest (`scripts/bench-normal.py --keys old`, docs/benchmark.md).
+/// the lazy-volume simulator the hot phase then fetched 8-20% slower than the sequential rest, and
+/// time to 100% was 1.07x that without a capture (`scripts/bench-normal.py --keys old`, docs/benchmark.md).
 pub const HOT_REGION_BLOCKS: u64 = 1024;
 
 /// Builds the reading order for the forks that are to be read, in three phases:
