@@ -183,9 +183,25 @@ def as_pg(args, **kw):
     return subprocess.run(args, check=True, capture_output=True, text=True, **kw)
 
 
-def wait_http(url: str, seconds: float = 60):
-    end = time.time() + seconds
-    while time.time() < end:
+class ServerGone(RuntimeError):
+    """The process that was to serve a URL exited before it answered (e.g. a port taken meanwhile)."""
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def wait_http(url: str, seconds: float = 60, proc: subprocess.Popen | None = None, log: Path | None = None):
+    """Until `url` answers (any HTTP status). With `proc`, fails at once when that process exits, and
+    both failures carry the tail of its `log`: a server that never came up says why."""
+    start = time.time()
+    while time.time() < start + seconds:
+        if proc is not None and proc.poll() is not None:
+            raise ServerGone(f"{url}: its server exited with {proc.returncode} after {time.time() - start:.1f}s; "
+                             f"the end of {log}:\n{log_tail(log) if log else ''}")
         try:
             urllib.request.urlopen(url, timeout=2)
             return
@@ -193,7 +209,8 @@ def wait_http(url: str, seconds: float = 60):
             return  # the server answered
         except Exception:
             time.sleep(0.2)
-    raise TimeoutError(f"{url} did not answer in {seconds}s")
+    raise TimeoutError(f"{url} did not answer in {seconds}s"
+                       + (f"; the end of {log}:\n{log_tail(log)}" if log else ""))
 
 
 def event_entry(event: dict) -> dict:
@@ -333,9 +350,13 @@ class Twin:
         self.endpoint = f"http://127.0.0.1:{self.moto_port}"
         self.logs = workdir / "logs"
         self.logs.mkdir()
-        self._start_moto()
-        self._create_resources()
-        self._start_watch(lambda_timeout, margin)
+        try:
+            self._start_moto()
+            self._create_resources()
+            self._start_watch(lambda_timeout, margin)
+        except BaseException:
+            self.stop()  # what was started so far: Twin.start has no twin to stop
+            raise
 
     # --- processes ---------------------------------------------------------------------------------------
     def _spawn(self, name, args, env=None, cwd=None):
@@ -348,9 +369,20 @@ class Twin:
         # Lambda's timeout, with 10 s for the emulator's own start of a binary on its first invoke.
         env = dict(os.environ, PGHYDRATE_TWIN_WATCH_URL=f"http://127.0.0.1:{self.watch_port}",
                    PGHYDRATE_TWIN_LAMBDA_TIMEOUT=str(self.lambda_timeout + 10))
-        self._spawn("moto", [sys.executable, str(ROOT / "twin" / "server.py"), str(self.moto_port),
-                             str(self.control_port), str(self.shim_port)], env=env)
-        wait_http(f"{self.endpoint}/moto-api/")
+        for attempt in range(1, 4):
+            log = self.logs / f"moto-{attempt}.log"
+            moto = self._spawn(log.stem, [sys.executable, str(ROOT / "twin" / "server.py"), str(self.moto_port),
+                                          str(self.control_port), str(self.shim_port)], env=env)
+            try:
+                wait_http(f"{self.endpoint}/moto-api/", 120, moto, log)
+                break
+            except ServerGone:
+                # Its ports were free when chosen, and may not be when it binds them (another process's
+                # outgoing connection takes any free port): three tries with new ones, then the error.
+                if attempt == 3 or "Address already in use" not in log.read_text(errors="replace"):
+                    raise
+                self.moto_port, self.control_port, self.shim_port = (free_port() for _ in range(3))
+                self.endpoint = f"http://127.0.0.1:{self.moto_port}"
         req = urllib.request.Request(f"{self.endpoint}/moto-api/config", method="POST",
                                      data=json.dumps({"stepfunctions": {"execute_state_machine": True}}).encode())
         urllib.request.urlopen(req)
@@ -407,7 +439,7 @@ class Twin:
             self.sandboxes = Sandboxes(watch.pid, function_memory_mb(),
                                        cpu=os.environ.get("PGHYDRATE_TWIN_LAMBDA_CPU") == "1", tag=str(self.watch_port))
             self.sandboxes.start()
-        wait_http(f"http://127.0.0.1:{self.watch_port}/", 120)
+        wait_http(f"http://127.0.0.1:{self.watch_port}/", 120, watch, self.logs / "watch.log")
 
     def stop(self):
         for p in self.procs:
