@@ -17,20 +17,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# name -> bench.py volume options
+# name -> bench.py volume options: the grid of queue depth x fetch latency, then the capped volumes
 VOLUMES = {
-    "q4-5ms": ["--concurrency", "4", "--latency", "5ms"],
-    "q4-20ms": ["--concurrency", "4", "--latency", "20ms"],
-    "q4-50ms": ["--concurrency", "4", "--latency", "50ms"],
-    "q8-5ms": ["--concurrency", "8", "--latency", "5ms"],
-    "q8-20ms": ["--concurrency", "8", "--latency", "20ms"],
-    "q8-50ms": ["--concurrency", "8", "--latency", "50ms"],
-    "q32-5ms": ["--concurrency", "32", "--latency", "5ms"],
-    "q32-20ms": ["--concurrency", "32", "--latency", "20ms"],
-    "q32-50ms": ["--concurrency", "32", "--latency", "50ms"],
-    "q64-5ms": ["--concurrency", "64", "--latency", "5ms"],
-    "q64-20ms": ["--concurrency", "64", "--latency", "20ms"],
-    "q64-50ms": ["--concurrency", "64", "--latency", "50ms"],
+    **{f"q{depth}-{ms}ms": ["--concurrency", str(depth), "--latency", f"{ms}ms"]
+       for depth in (4, 8, 32, 64) for ms in (5, 20, 50)},
     "q32-20ms-iops2000": ["--concurrency", "32", "--latency", "20ms", "--iops", "2000"],
     "q32-20ms-100mib-burst": ["--concurrency", "32", "--latency", "20ms", "--throughput-mib", "100",
                               "--burst-throughput-mib", "250", "--burst-seconds", "3s"],
