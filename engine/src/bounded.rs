@@ -92,19 +92,25 @@ pub async fn bounded_or_stopped<T>(
     stop: Option<&AtomicBool>,
     statement: impl std::future::Future<Output = std::result::Result<T, tokio_postgres::Error>>,
 ) -> std::result::Result<T, Failed> {
-    let Some(stop) = stop else {
+    if stop.is_none() {
         return bounded(spec, client, limit, statement).await;
-    };
-    let asked = async {
-        while !stop.load(Ordering::Relaxed) {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
+    }
     tokio::select! {
         r = bounded(spec, client, limit, statement) => r,
-        _ = asked => {
+        _ = stop_asked(stop) => {
             spec.cancel_in_background(client.cancel_token());
             Err(Failed::Stopped)
         }
+    }
+}
+
+/// Resolves once `stop` is set (looked at every 50 ms); never without a flag. For racing a wait
+/// (a connect, a backoff, a statement) against Ctrl-C / SIGTERM.
+pub async fn stop_asked(stop: Option<&AtomicBool>) {
+    let Some(stop) = stop else {
+        return std::future::pending().await;
+    };
+    while !stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::bounded::{bounded, bounded_or_stopped, client_bound, Failed};
+use crate::bounded::{bounded, bounded_or_stopped, client_bound, stop_asked, Failed};
 use crate::connect::ConnectionSpec;
 use crate::error::{Disposition, Error};
 use crate::sql::maintenance_statement;
@@ -225,7 +225,16 @@ pub async fn maintain(
                     .map_err(|f| f.into_error(format!("database {:?}", t.database), "opening a session"))?;
                 Ok::<_, Error>((t.database.clone(), client, row.get(0), row.get(1)))
             };
-            match opened.await {
+            // A stop does not wait for a connect to a server that does not answer.
+            let opened = tokio::select! {
+                r = opened => Some(r),
+                _ = stop_asked(opts.stop.as_deref()) => None,
+            };
+            let Some(opened) = opened else {
+                pending.push_front(t);
+                break;
+            };
+            match opened {
                 Ok(s) => session = Some(s),
                 Err(e) => {
                     results.push(result(

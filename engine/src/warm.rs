@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use tokio_postgres::Client;
 use tracing::{debug, info, warn};
 
-use crate::bounded::{bounded, bounded_or_stopped, client_bound, Failed};
+use crate::bounded::{bounded, bounded_or_stopped, client_bound, stop_asked, Failed};
 use crate::connect::ConnectionSpec;
 use crate::error::{Disposition, Error, Result};
 use crate::plan::{BlockRange, Plan, ServerInfo, Skip, SkipReason};
@@ -454,6 +454,14 @@ impl Shared {
         }
     }
 
+    /// `limit`, and with a deadline, no later than when [`Self::deadline_near`] becomes true.
+    fn until_deadline_near(&self, limit: Duration) -> Duration {
+        match self.time_left() {
+            Some(left) => limit.min(left.saturating_sub(self.opts.margin)),
+            None => limit,
+        }
+    }
+
     fn deadline_near(&self) -> bool {
         self.time_left().is_some_and(|left| left <= self.opts.margin)
             || self.opts.stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed))
@@ -714,6 +722,9 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, NotO
     let started = Instant::now();
     let mut backoff = Duration::from_millis(200);
     loop {
+        if s.deadline_near() {
+            return Err(NotOpened::Stopped);
+        }
         let attempt = async {
             let connect_bound = s.within_deadline(s.spec.connect_timeout());
             let client = match tokio::time::timeout(connect_bound, s.spec.connect(db)).await {
@@ -738,7 +749,12 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, NotO
                 .map_err(|f| lost_while_opening(&s.spec, db, f))?;
             Ok::<_, Error>((client, prewarm.map(|(_, call)| call)))
         };
-        match attempt.await {
+        // A stop ends the wait at once: a connect to a dead peer waits up to connect_timeout.
+        let attempted = tokio::select! {
+            r = attempt => r,
+            _ = stop_asked(s.opts.stop.as_deref()) => return Err(NotOpened::Stopped),
+        };
+        match attempted {
             Ok((client, prewarm)) => {
                 return Ok(Session {
                     database: db.to_string(),
@@ -758,7 +774,11 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, NotO
                     return Err(NotOpened::Unreachable(e.to_string()));
                 }
                 warn!(database = %db, error = %e, retry_in_ms = backoff.as_millis() as u64, "session lost; reconnecting");
-                tokio::time::sleep(backoff).await;
+                // Neither a stop nor the deadline's margin waits for the backoff to end.
+                tokio::select! {
+                    _ = tokio::time::sleep(s.until_deadline_near(backoff)) => {}
+                    _ = stop_asked(s.opts.stop.as_deref()) => return Err(NotOpened::Stopped),
+                }
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }

@@ -333,6 +333,97 @@ async fn ctrl_c_writes_the_continuation_and_resume_finishes() {
     }
 }
 
+/// Sets `stop` once `ready` holds and `after` more has passed, and returns how long the run took to
+/// end after that (it must end by itself within `bound`).
+async fn stop_when(
+    spec: &ConnectionSpec,
+    st: &mut RunState,
+    opts: &RunOptions,
+    ready: impl Fn() -> bool + Send + 'static,
+    after: Duration,
+) -> Duration {
+    let stop = opts.warm.stop.clone().unwrap();
+    let signalled = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let at = signalled.clone();
+    let signaller = tokio::spawn(async move {
+        let waited = Instant::now();
+        while !ready() {
+            assert!(waited.elapsed() < Duration::from_secs(60), "the run never got where the signal is due");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(after).await;
+        *at.lock().unwrap() = Some(Instant::now());
+        stop.store(true, Ordering::SeqCst);
+    });
+    advance_within(spec, st, opts, Duration::from_secs(90)).await;
+    signaller.await.unwrap();
+    let at = signalled.lock().unwrap().expect("the stop was set before the run ended");
+    at.elapsed()
+}
+
+/// A signal while the server is down, the sessions reconnecting: the run stops at once, not after
+/// the reconnect's backoff (up to 5 s) or a connect to a server that does not answer (connect_timeout,
+/// 10 s), and leaves every range pending for resume. First with the port refusing (the sessions deep
+/// in their backoff), then with a listener that accepts and never answers (a connect in flight).
+/// Before the fix the stop was seen only after the wait: 4 s and 9 s late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_while_reconnecting_stops_at_once() {
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let spec = cluster.superuser_spec();
+    let plan = make_plan(&spec, &plan_opts(&["app"])).await.unwrap();
+    let mut st = RunState::new(plan, Mode::Read, 2, Maintenance::None);
+    let mut opts = run_opts(2);
+    opts.warm.reconnect_for = Duration::from_secs(120);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    opts.warm.stop = Some(stop.clone());
+
+    // Refused: the backoff doubles from 200 ms to 5 s; after 7 s each session sleeps its 5 s.
+    cluster.stop("immediate");
+    let late = stop_when(&spec, &mut st, &opts, || true, Duration::from_secs(7)).await;
+    assert!(late < Duration::from_millis(1500), "stopped {late:?} after the signal, in the backoff");
+    assert_eq!(st.pending.len(), st.plan.ranges.len(), "every range stays pending");
+    assert!(st.unreachable.is_empty(), "stopped, not given up: {:?}", st.unreachable);
+    eprintln!("measured: stop during the reconnect backoff ended the run {:.2} s later", late.as_secs_f64());
+
+    // A listener on the server's port that completes the TCP handshake and never answers.
+    stop.store(false, Ordering::SeqCst);
+    let listener = std::net::TcpListener::bind(("127.0.0.1", cluster.port)).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let accepted = Arc::new(AtomicU32::new(0));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (count, finished) = (accepted.clone(), done.clone());
+    let held = std::thread::spawn(move || {
+        // Keeps the sockets open (no answer, no close) until the test is done with them.
+        let mut sockets = Vec::new();
+        while !finished.load(Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((socket, _)) => {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    sockets.push(socket);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        sockets.len()
+    });
+    let late =
+        stop_when(&spec, &mut st, &opts, move || accepted.load(Ordering::SeqCst) >= 1, Duration::from_secs(1)).await;
+    assert!(late < Duration::from_millis(1500), "stopped {late:?} after the signal, in a connect");
+    assert_eq!(st.pending.len(), st.plan.ranges.len(), "every range stays pending");
+    eprintln!("measured: stop during a connect to a silent server ended the run {:.2} s later", late.as_secs_f64());
+
+    // Resume on the server back up: every block, once.
+    done.store(true, Ordering::SeqCst);
+    assert!(held.join().unwrap() >= 1);
+    stop.store(false, Ordering::SeqCst);
+    cluster.start_again();
+    advance_within(&spec, &mut st, &opts, Duration::from_secs(120)).await;
+    assert_outcomes_partition_plan(&st);
+    let r = report::build(&st);
+    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete));
+}
+
 /// `resume` honours --sessions / --mode / --maintenance (they used to be ignored silently) and refuses
 /// a --time-limit not longer than --margin, as `run` does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
