@@ -76,6 +76,16 @@ impl Controller {
         (from * 2).max(from + 1).min(self.ceiling)
     }
 
+    /// The work changed kind (steps of a large relation gave way to thousands of one-block forks, or
+    /// back): what the levels measured on the old kind says nothing about the new one, so the climb
+    /// starts again from the current level. Returns the level for the next window (the current one).
+    pub fn new_regime(&mut self) -> usize {
+        self.best_level = self.level;
+        self.best_rate = 0.0;
+        self.phase = Phase::Climb;
+        self.level
+    }
+
     /// Takes the throughput (bytes per second) of the window just ended at the current level and
     /// returns the level for the next window.
     pub fn observe(&mut self, rate: f64) -> usize {
@@ -167,6 +177,23 @@ mod tests {
         // The volume now serves 32 at once (another stripe, a quieter neighbour): a probe finds it.
         let levels = settle(&mut c, &volume(32, 10e6), 40);
         assert!(*levels.last().unwrap() >= 32, "{levels:?}");
+    }
+
+    #[test]
+    fn a_new_kind_of_work_climbs_again_at_once() {
+        // Steps of a large relation: 16 sessions already get all the volume gives (readahead keeps
+        // two fetches in flight per session), so the probe to 32 fails and it holds 16.
+        let mut c = Controller::new(64);
+        settle(&mut c, &|n: usize| n.min(16) as f64 * 10e6, 3);
+        assert_eq!(c.level(), 16);
+        // One-block forks: one fetch in flight per session, so 32 sessions do twice what 16 do. Held
+        // at 16, the next probe would be PROBE_EVERY windows away; a new regime climbs in the next.
+        let forks = |n: usize| n.min(32) as f64 * 5e6;
+        assert_eq!(c.new_regime(), 16);
+        assert_eq!(c.observe(forks(c.level())), 32);
+        // 64 gives nothing more, so it settles at 32 (until the next probe).
+        let levels = settle(&mut c, &forks, 5);
+        assert_eq!(levels, [64, 32, 32, 32, 32]);
     }
 
     #[test]

@@ -145,6 +145,10 @@ pub struct Counters {
     pub planned_bytes: AtomicU64,
     pub done_bytes: AtomicU64,
     pub warmed_bytes: AtomicU64,
+    /// What the warmed ranges cost a lazily loaded volume, in bytes: each range counts whole fetch
+    /// units ([`crate::hotset::FETCH_BYTES`]), at least one ([`volume_work`]). The controller measures
+    /// this, not bytes: a small fork costs the volume a whole fetch however few its bytes.
+    pub volume_work: AtomicU64,
     pub busy_sessions: AtomicUsize,
     pub sessions: AtomicUsize,
 }
@@ -227,6 +231,32 @@ fn batch_share(queued: usize, sessions: usize) -> usize {
     queued.div_ceil(sessions.max(1)).clamp(1, BATCH_MAX)
 }
 
+/// How long one batch statement should take: several per controller window, so that what the
+/// sessions read is counted as it is read (a statement's forks count when it ends), and a change of
+/// level takes effect within a window. On a cold volume at 50 ms a fetch, 64 one-block forks took
+/// 3.2 s to a statement.
+const BATCH_TARGET: Duration = Duration::from_millis(200);
+/// Forks to a batch before any batch was timed.
+const BATCH_START: usize = 8;
+
+/// How many small forks fit in [`BATCH_TARGET`] at `micros_per_fork` (0: not measured yet), within
+/// 1..=[`BATCH_MAX`].
+fn batch_by_time(micros_per_fork: u64) -> usize {
+    if micros_per_fork == 0 {
+        return BATCH_START;
+    }
+    ((BATCH_TARGET.as_micros() as u64 / micros_per_fork) as usize).clamp(1, BATCH_MAX)
+}
+
+/// The running estimate of a batched fork's time: the latest batch weighs 30%.
+fn next_fork_micros(before: u64, measured: u64) -> u64 {
+    if before == 0 {
+        measured.max(1)
+    } else {
+        ((before as f64 * 0.7 + measured as f64 * 0.3) as u64).max(1)
+    }
+}
+
 struct Queue {
     tasks: VecDeque<Task>,
     in_flight: usize,
@@ -250,6 +280,8 @@ struct Shared {
     /// Workers with an id below this read; the others wait, without a session (adaptive).
     active: AtomicUsize,
     levels: Mutex<Vec<crate::adaptive::Level>>,
+    /// What one fork of a batch took so far, microseconds ([`next_fork_micros`]; 0: no batch yet).
+    batch_fork_micros: AtomicU64,
     /// The plan's hot blocks among the ranges given, how many are left to read, and when the last was.
     hot: crate::hotset::HotBlocks,
     hot_left: AtomicU64,
@@ -297,6 +329,7 @@ pub async fn warm(
         in_hand: (0..workers).map(|_| Mutex::new(Vec::new())).collect(),
         active: AtomicUsize::new(active),
         levels: Mutex::new(Vec::new()),
+        batch_fork_micros: AtomicU64::new(0),
         hot,
         hot_left: AtomicU64::new(hot_left),
         hot_read_at: Mutex::new(None),
@@ -352,13 +385,25 @@ fn join_steps(mut outcomes: Vec<RangeOutcome>) -> Vec<RangeOutcome> {
     joined
 }
 
+/// What reading `bytes` of one range costs a lazily loaded volume: whole fetch units, at least one.
+/// Counted in bytes, the phase of a run that reads thousands of one-block forks looks idle (18 MiB a
+/// second where the volume fetched 395 MiB of units) while the volume is busy fetching a unit for
+/// each: windows ran for seconds and the controller stayed where the large relations had left it (16
+/// sessions on a volume serving 32 fetches at once: 12.5 s to 100% against 9.4 s with 32,
+/// docs/benchmark.md).
+pub fn volume_work(bytes: u64) -> u64 {
+    let unit = crate::hotset::FETCH_BYTES;
+    bytes.div_ceil(unit).max(1) * unit
+}
+
 /// The shortest window the controller measures before a decision; a window also lasts until half
-/// the reading sessions have finished a step (a slow volume's windows are longer), and at most
-/// [`MAX_WINDOW`].
+/// the reading sessions have finished a step's worth of volume work (a slow volume's windows are
+/// longer), and at most [`MAX_WINDOW`].
 const WINDOW: Duration = Duration::from_millis(500);
 const MAX_WINDOW: Duration = Duration::from_secs(10);
 
-/// Feeds the controller the bytes read per window and applies its levels, recording each change.
+/// Feeds the controller the volume work done per window ([`volume_work`]) and applies its levels,
+/// recording each change with the bytes per second read in the window that led to it.
 /// After a change, one window passes unmeasured: sessions just started or stopped make the next
 /// window's throughput a mix of two levels.
 async fn steer(s: Arc<Shared>, mut c: crate::adaptive::Controller) {
@@ -382,14 +427,19 @@ async fn steer(s: Arc<Shared>, mut c: crate::adaptive::Controller) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(WINDOW).await;
+    // The kind of work the controller's levels were measured on (bytes per unit of volume work).
+    let mut regime: Option<f64> = None;
     loop {
         let level = s.active.load(Ordering::Relaxed);
-        let (from, since) = (s.counters.warmed_bytes.load(Ordering::Relaxed), Instant::now());
-        let (bytes, took) = loop {
+        let since = Instant::now();
+        let (from_bytes, from_work) =
+            (s.counters.warmed_bytes.load(Ordering::Relaxed), s.counters.volume_work.load(Ordering::Relaxed));
+        let (bytes, work, took) = loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            let (bytes, took) = (s.counters.warmed_bytes.load(Ordering::Relaxed) - from, since.elapsed());
-            if (took >= WINDOW && bytes >= step_bytes * level as u64 / 2) || took >= MAX_WINDOW {
-                break (bytes, took);
+            let took = since.elapsed();
+            let work = s.counters.volume_work.load(Ordering::Relaxed) - from_work;
+            if (took >= WINDOW && work >= step_bytes * level as u64 / 2) || took >= MAX_WINDOW {
+                break (s.counters.warmed_bytes.load(Ordering::Relaxed) - from_bytes, work, took);
             }
         };
         // Nothing left to share out: the level no longer matters (the tail of the run).
@@ -397,12 +447,24 @@ async fn steer(s: Arc<Shared>, mut c: crate::adaptive::Controller) {
             continue;
         }
         let rate = bytes as f64 / took.as_secs_f64();
-        let next = c.observe(rate).min(workers);
+        // Bytes per unit of volume work: about 1 for steps of large relations, 1/64 for one-block
+        // forks. When it moves by 4x the work changed kind, and the climb starts again.
+        let density = bytes as f64 / work.max(1) as f64;
+        let changed = regime.is_some_and(|r: f64| density > 4.0 * r || density < r / 4.0);
+        if regime.is_none() || changed {
+            regime = Some(density);
+        }
+        if changed {
+            info!(bytes_per_fetch_unit = format!("{:.3}", density), "the work changed kind: climbing again");
+            c.new_regime();
+        }
+        let next = c.observe(work as f64 / took.as_secs_f64()).min(workers);
         if next != level {
             info!(
                 sessions = next,
                 before = level,
                 mib_per_second = format!("{:.1}", rate / 1048576.0),
+                volume_mib_per_second = format!("{:.1}", work as f64 / took.as_secs_f64() / 1048576.0),
                 "reading sessions"
             );
             s.active.store(next, Ordering::Relaxed);
@@ -496,7 +558,8 @@ impl Shared {
             // More of a batch: only in the database the worker's session is already in, and no more
             // than this session's share of what is queued.
             if current == Some(self.plan.fork(&taken[0].range).database.as_str()) && self.batchable(&taken[0], now) {
-                let limit = batch_share(q.tasks.len() + 1, self.active.load(Ordering::Relaxed));
+                let limit = batch_share(q.tasks.len() + 1, self.active.load(Ordering::Relaxed))
+                    .min(batch_by_time(self.batch_fork_micros.load(Ordering::Relaxed)));
                 let mut i = pos;
                 let end = (pos + BATCH_WINDOW).min(q.tasks.len());
                 let mut end = end;
@@ -578,6 +641,7 @@ impl Shared {
         self.counters.done_bytes.fetch_add(bytes, Ordering::Relaxed);
         if let RangeResult::Warmed { .. } = result {
             self.counters.warmed_bytes.fetch_add(bytes, Ordering::Relaxed);
+            self.counters.volume_work.fetch_add(volume_work(bytes), Ordering::Relaxed);
             let hot = self.hot.within(&range);
             if hot > 0 && self.hot_left.fetch_sub(hot, Ordering::Relaxed) == hot {
                 let at = self.started.elapsed().as_secs_f64();
@@ -1045,6 +1109,10 @@ async fn run_batch(id: usize, s: &Shared, session: &mut Option<Session>, tasks: 
     match read_batch(s, sess, &tasks, timeout, role).await {
         Ok(blocks) if blocks.len() == tasks.len() => {
             let seconds = started.elapsed().as_secs_f64() / tasks.len() as f64;
+            let per_fork = (seconds * 1e6) as u64;
+            let _ = s.batch_fork_micros.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |before| {
+                Some(next_fork_micros(before, per_fork))
+            });
             debug!(session = id, forks = tasks.len(), "batch of small forks read");
             s.in_hand[id].lock().unwrap().clear();
             for (t, b) in tasks.iter().zip(blocks) {
@@ -1193,6 +1261,40 @@ mod tests {
             range: BlockRange { fork, first, last },
             result: RangeResult::Warmed { blocks: last - first + 1, seconds: 1.0 },
         }
+    }
+
+    #[test]
+    fn volume_work_counts_whole_fetch_units_so_small_forks_are_not_idle() {
+        const KIB: u64 = 1024;
+        // A one-block fork costs the volume a whole 512 KiB fetch: 64 times its bytes.
+        assert_eq!(volume_work(8 * KIB), 512 * KIB);
+        // A step of 1,024 blocks is 16 whole units: its work is its bytes.
+        assert_eq!(volume_work(DEFAULT_STEP_BLOCKS * 8 * KIB), 8192 * KIB);
+        assert_eq!(volume_work(8192 * KIB + 8 * KIB), 8704 * KIB);
+        // 256 one-block forks read by 16 sessions in a window do the work of 16 steps of 8 MiB, which
+        // ends a window at 32 sessions; in bytes they were 2 MiB, and the window ran for seconds.
+        let forks: u64 = (0..256).map(|_| volume_work(8 * KIB)).sum();
+        assert_eq!(forks, 16 * volume_work(DEFAULT_STEP_BLOCKS * 8 * KIB));
+    }
+
+    #[test]
+    fn a_batch_lasts_about_its_target_whatever_the_volume() {
+        // Unmeasured: a modest start, so that the first batch on a slow volume is short too.
+        assert_eq!(batch_by_time(0), BATCH_START);
+        // Cached or fast: the statement's round trip dominates, so the most to a statement.
+        assert_eq!(batch_by_time(50), BATCH_MAX);
+        // Cold at 50 ms a fetch: 4 forks, 200 ms; at 5 ms, 40.
+        assert_eq!(batch_by_time(50_000), 4);
+        assert_eq!(batch_by_time(5_000), 40);
+        // Slower than the target: one to a statement, never none.
+        assert_eq!(batch_by_time(2_000_000), 1);
+        // The estimate follows the volume: from 64 forks at 50 ms to a cached run within a few batches.
+        let mut e = next_fork_micros(0, 50_000);
+        assert_eq!(e, 50_000);
+        for _ in 0..12 {
+            e = next_fork_micros(e, 50);
+        }
+        assert!(batch_by_time(e) >= 32, "{e}");
     }
 
     #[test]
