@@ -58,7 +58,11 @@ class Bench:
         shutil.chown(self.workdir, RUN_AS)
         self.vol = Volume(self.workdir, LAZYVOL)
         self.vol.mount(latency="0ms", concurrency=64)
-        self.pg = Postgres(self.workdir, {"shared_buffers": "1GB", "max_connections": "100"}, major=major)
+        # The small tables are created in one transaction, about 5 locks each (table, key, TOAST): the
+        # shared lock table holds max_locks_per_transaction x max_connections of them.
+        locks = str(max(64, args.small // 10))
+        self.pg = Postgres(self.workdir, {"shared_buffers": "1GB", "max_connections": "100",
+                                          "max_locks_per_transaction": locks}, major=major)
         self.url = f"postgresql://postgres:{PASSWORD}@127.0.0.1:{self.pg.port}/postgres"
 
     def load(self):
