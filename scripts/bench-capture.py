@@ -39,7 +39,8 @@ def main():
     ap.add_argument("--relations", type=int, default=0, help="also a cache of this many small relations")
     ap.add_argument("--out", default=str(ROOT / "bench" / "capture.json"))
     args = ap.parse_args()
-    subprocess.run(["cargo", "build", "--release", "--locked", "-p", "pghydrate-cli"], cwd=ROOT, check=True)
+    subprocess.run(["cargo", "build", "--release", "--locked", "-p", "pghydrate-cli"], cwd=ROOT, check=True,
+                   env=dict(os.environ, CARGO_TARGET_DIR=str(TARGET)))  # where the binary is read from
     workdir = Path(tempfile.mkdtemp(prefix="bench-capture-", dir=HOME))
     shutil.chown(workdir, RUN_AS)
     pg = Postgres(workdir, {"shared_buffers": args.shared_buffers, "max_connections": "50"}, major=args.major)

@@ -11,6 +11,7 @@ prints the table. Needs root (FUSE). Every volume parameter is in the output.
 """
 import argparse
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,11 @@ def main():
         cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--majors", args.majors, "--quick",
                "--only", "pghydrate,recipe", "--sweep", args.sweep, "--fuse-threads", str(args.fuse_threads), "--out", str(vout), *VOLUMES[name]]
         print(f"bench-matrix: {name}: {' '.join(cmd[1:])}", flush=True)
-        subprocess.run(cmd, check=True)
+        child = subprocess.Popen(cmd)
+        # SIGTERM here goes on to the volume's run, whose cleanup stops its server and unmounts.
+        signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+        if child.wait() != 0:
+            raise SystemExit(f"bench-matrix: {name}: bench.py exited with {child.returncode}")
         res = json.loads((vout / "results.json").read_text())
         everything[name] = {"options": VOLUMES[name], "results": res}
         for major, runs in res["runs"].items():

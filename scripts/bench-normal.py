@@ -190,6 +190,7 @@ def svg(results: dict, path: Path):
 
 
 def main():
+    bench.cleanup_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--major", type=int, default=15)
     ap.add_argument("--scale", type=float, default=2000, help="approximate MiB of the big table")
@@ -221,7 +222,7 @@ def main():
     if os.geteuid() != 0:
         raise SystemExit("bench-normal: needs root (FUSE mount; the server runs as the pghydrate user)")
     subprocess.run(["cargo", "build", "--release", "--locked", "-p", "pghydrate-cli", "-p", "pghydrate-lazyvol"],
-                   cwd=ROOT, check=True)
+                   cwd=ROOT, check=True, env=dict(os.environ, CARGO_TARGET_DIR=str(bench.TARGET)))
     vol_args = argparse.Namespace(scale=args.scale, small=args.small, latency=args.latency,
                                   concurrency=args.concurrency, bandwidth_mib=0.0, iops=0.0, throughput_mib=0.0,
                                   burst_seconds="0s", burst_iops=0.0, burst_throughput_mib=0.0,
@@ -306,14 +307,14 @@ def main():
                 tries.append({"p95": p95, "time_to_normal_s": time_to_normal(p95, limit, args.window),
                               "time_to_normal_floor_s": time_to_normal(p95, floor_limit, args.window),
                               "tx": len(tx), "full_s": got.get("full_s"), "returned_s": got.get("returned_s"),
-                              "hot_phase_bytes": hot.get("bytes"), "hot_phase_read_by_s": hot.get("read_by_seconds"),
+                              "plan_s": got.get("plan_seconds"), "hot_phase_bytes": hot.get("bytes"), "hot_phase_read_by_s": hot.get("read_by_seconds"),
                               "hydrated": got.get("samples"), "coverage": got.get("verified_coverage"),
                               "levels": got.get("levels"), "cpu_busy": cpu_busy,
                               "cold_chunks": status.get("cold_chunks")})
                 t = tries[-1]
                 print(f"bench-normal: {name} #{i + 1}: normal after {t['time_to_normal_s']} s "
                       f"(with the floor {t['time_to_normal_floor_s']} s), {len(tx)} tx, volume 100% at "
-                      f"{t['full_s']}", flush=True)
+                      f"{t['full_s']} (planned in {t['plan_s']} s)", flush=True)
             # The median run by time to normal with the floor (never sorts last).
             tries.sort(key=lambda x: (x["time_to_normal_floor_s"] is None, x["time_to_normal_floor_s"] or 0))
             r = dict(tries[len(tries) // 2])

@@ -206,7 +206,8 @@ def main():
         os.environ["PGHYDRATE_TWIN_LAMBDA_CPU"] = "1"
     profile = ["--release"] if args.build == "release" else []
     packages = [a for f in FUNCTIONS + ["pghydrate-lazyvol"] for a in ("-p", f)]
-    subprocess.run(["cargo", "build", "--locked", *profile, *packages], cwd=ROOT, check=True)
+    subprocess.run(["cargo", "build", "--locked", *profile, *packages], cwd=ROOT, check=True,
+                   env=dict(os.environ, CARGO_TARGET_DIR=str(TARGET)))  # where the binaries are read from
     rows = []
     for config in args.only.split(","):
         rows += measure(config, CONFIGS[config], args)

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,7 @@ class Bench:
         r["verified_coverage"] = rep["coverage"]
         r["levels"] = rep.get("levels", [])
         r["hot_set"] = rep.get("hot_set")
+        r["plan_seconds"] = rep["timings"]["plan_seconds"]
         return r
 
     def recipe(self, sessions=15):
@@ -186,6 +188,12 @@ class Bench:
         finally:
             self.vol.unmount()
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def cleanup_on_sigterm():
+    """SIGTERM (kill, a CI timeout) ends the main thread with SystemExit, so its `finally` stops PostgreSQL
+    and unmounts the volume, as Ctrl-C already does; without it both were left behind."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def ideal_seconds(status: dict, args) -> float:
@@ -245,6 +253,7 @@ def compare_bins(specs):
 
 
 def main():
+    cleanup_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--majors", default="15,18")
     ap.add_argument("--scale", type=float, default=400, help="approximate MiB of the big table")
