@@ -538,11 +538,29 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
             // From here on, a signal stops the run with a continuation (after planning, if it comes
             // during planning: then the continuation holds the whole plan).
             opts.warm.stop.clone().map(watch_signals);
-            let plan = make_plan(&spec, &plan_options(&plan, &timeouts, false)).await?;
+            // The captured hot set is read while the rest is planned (a head start); what it read
+            // is not read again.
+            let (plan, head) = pghydrate::run::plan_with_head_start(
+                &spec,
+                &plan_options(&plan, &timeouts, false),
+                &opts.warm,
+                |server| {
+                    let (sessions, adaptive) = sessions_of(warm.sessions, warm.max_sessions, server);
+                    (mode_of(warm.mode, server), sessions, adaptive)
+                },
+            )
+            .await?;
             let mode = mode_of(warm.mode, &plan.server);
             let (sessions, adaptive) = sessions_of(warm.sessions, warm.max_sessions, &plan.server);
             let mut state = RunState::new(plan, mode, sessions, opts.maintenance);
             state.adaptive = adaptive;
+            if let Some(head) = head {
+                state.absorb_head_start(head);
+                // The rest starts where the head start's sessions ended, not back at the start level.
+                if adaptive {
+                    opts.warm.start_sessions = state.levels.last().map(|l| l.sessions as u32);
+                }
+            }
             drive(&spec, &mut state, &opts, &out, Path::new("pghydrate-continuation.json")).await
         }
         Command::Start(args) => start(args).await,

@@ -363,17 +363,29 @@ async fn plan_database(
     };
     let listed = async {
         let ext = ensure_extension(spec, &client, &d.name, opts, server.in_recovery).await?;
-        let forks = list_forks(spec, &client, &d.name, server, lock_waits).await?;
+        let forks = list_forks(spec, &client, &d.name, server, lock_waits, None).await?;
         let hot = if opts.ignore_hot_set { None } else { crate::hotset::read_stored(&client, &d.name).await? };
         Ok::<_, Error>((ext, forks, hot))
     };
-    let ((prewarm_schema, ext_problem, note), db_forks, hot) = match listed.await {
+    let (ext, db_forks, hot) = match listed.await {
         Ok(x) => x,
         Err(e) => {
             warn!(database = %d.name, error = %e, "database could not be planned; skipped");
             return (skipped_database(&d.name, format!("could not be planned: {e}"), true), Vec::new(), None);
         }
     };
+    let (entry, forks) = planned_forks(d, opts, ext, db_forks);
+    (entry, forks, hot)
+}
+
+/// A database's listed forks with the plan's filters applied (relation patterns; pg_prewarm missing),
+/// and its entry.
+fn planned_forks(
+    d: &DbRow,
+    opts: &PlanOptions,
+    (prewarm_schema, ext_problem, note): (Option<String>, Option<String>, Option<String>),
+    db_forks: Vec<Listed>,
+) -> (DatabaseEntry, Vec<(ForkEntry, bool)>) {
     let forks = db_forks
         .into_iter()
         .map(|listed| {
@@ -399,7 +411,89 @@ async fn plan_database(
         prewarm_schema,
         counts_against_coverage: true,
     };
-    (entry, forks, hot)
+    (entry, forks)
+}
+
+/// A head start's plan: the captured hot sets' ranges alone, found without listing every relation of a
+/// database (only the relations its hot set names, by oid), so that they can be read while
+/// [`make_plan`] lists everything. The full plan's filters apply (database and relation patterns,
+/// privileges, pg_prewarm present; nothing is created here), and no lock is waited for. None when no
+/// database has a usable hot set, or with `--first` patterns (their tables come before the hot set),
+/// or without hot sets (`ignore_hot_set`). Shared catalogs are left to the full plan.
+pub async fn plan_hot_phase(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Option<Plan>> {
+    let started = Instant::now();
+    if opts.ignore_hot_set || !opts.first.is_empty() || opts.range_blocks == 0 {
+        return Ok(None);
+    }
+    let opts = PlanOptions { create_extension: false, dry_run: false, lock_attempts: 0, ..opts.clone() };
+    let (client, _) = connect_any(spec).await?;
+    let server = server_info(spec, &client).await?;
+    let dbs = list_databases(spec, &client).await?;
+    drop(client);
+    check_database_patterns(&opts, &dbs)?;
+    let lock_waits = AtomicU32::new(0);
+    let wanted = if opts.databases_at_once == 0 { DATABASES_AT_ONCE } else { opts.databases_at_once };
+    let (at_once, _) = crate::run::effective_sessions(wanted.min(256) as u32, &server);
+    let planned: Vec<_> = futures_util::stream::iter(dbs.iter().map(|d| {
+        let (opts, server, lock_waits) = (&opts, &server, &lock_waits);
+        async move {
+            if database_left_out(d, opts, server).is_some() {
+                return None;
+            }
+            // Whatever fails here is the full plan's to report: the head start just does without.
+            let client = spec.connect(&d.name).await.ok()?;
+            let hot = crate::hotset::read_stored(&client, &d.name).await.ok()??;
+            if hot.ignored.is_some() || hot.ranges.is_empty() {
+                return None;
+            }
+            let ext = ensure_extension(spec, &client, &d.name, opts, server.in_recovery).await.ok()?;
+            let mut oids: Vec<u32> = hot.ranges.iter().map(|r| r.relid).collect();
+            oids.sort_unstable();
+            oids.dedup();
+            let listed = list_forks(spec, &client, &d.name, server, lock_waits, Some(&oids)).await.ok()?;
+            let (entry, forks) = planned_forks(d, opts, ext, listed);
+            Some((entry, forks, hot))
+        }
+    }))
+    .buffered(at_once as usize)
+    .collect()
+    .await;
+    let (mut databases, mut forks, mut stored) = (Vec::new(), Vec::new(), Vec::new());
+    for (d, p) in dbs.iter().zip(planned) {
+        let Some((entry, listed, hot)) = p else { continue };
+        databases.push(entry);
+        stored.push((d.name.clone(), hot));
+        forks.extend(listed.into_iter().filter(|(_, shared)| !shared).map(|(f, _)| f));
+    }
+    let (spans, mut uses) = match_hot_sets(&forks, stored, server.block_size);
+    let (_, hot_ranges) = order_ranges(&forks, &[], opts.range_blocks, &spans);
+    if hot_ranges.is_empty() {
+        return Ok(None);
+    }
+    for r in &hot_ranges {
+        let db = &forks[r.fork as usize].database;
+        if let Some(u) = uses.iter_mut().find(|u| &u.database == db) {
+            u.used += 1;
+        }
+    }
+    let plan = Plan {
+        format: PLAN_FORMAT,
+        created_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        server,
+        range_blocks: opts.range_blocks,
+        databases,
+        forks,
+        ranges: hot_ranges.clone(),
+        plan_seconds: started.elapsed().as_secs_f64(),
+        hot_set: Some(crate::plan::HotSetPlan { databases: uses, ranges: hot_ranges }),
+    };
+    info!(
+        ranges = plan.ranges.len(),
+        bytes = plan.bytes(plan.planned_blocks()),
+        seconds = plan.plan_seconds,
+        "head start: the captured hot set is read while the rest is planned"
+    );
+    Ok(Some(plan))
 }
 
 /// Matches each database's stored hot ranges to the plan's forks: a range whose relation is gone, was
@@ -589,6 +683,7 @@ async fn list_forks(
     db: &str,
     server: &ServerInfo,
     lock_waits: &AtomicU32,
+    only: Option<&[u32]>,
 ) -> Result<Vec<Listed>> {
     // pg_prewarm's privilege check is SELECT on the relation. For an index, current minor releases
     // (seen on 15.18, 16.15, 17.11, 18.6) check the index's table instead; older minors checked the
@@ -627,6 +722,7 @@ async fn list_forks(
              FROM pg_catalog.pg_class c
              LEFT JOIN pg_catalog.pg_index i ON i.indexrelid = c.oid
             WHERE c.relkind IN ('r', 'i', 't', 'm', 'S') AND c.relpersistence <> 't'
+              AND ($2::pg_catalog.oid[] IS NULL OR c.oid = ANY($2::pg_catalog.oid[]))
          )
          SELECT r.oid AS oid, rn.nspname::text AS schema, r.relname::text AS name, r.relkind::text AS relkind,
                 r.relisshared AS shared,
@@ -674,7 +770,8 @@ async fn list_forks(
             .await
             .map_err(|f| catalog_error(spec, "reading pg_locks", f))?
             .get(0);
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&locked];
+        let only: Option<Vec<u32>> = only.map(<[u32]>::to_vec);
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&locked, &only];
         match bounded(spec, client, catalog_bound(spec), client.query(&sql, &params)).await {
             Ok(r) => {
                 rows = Some(r);

@@ -164,7 +164,12 @@ pub struct Timings {
     pub plan_seconds: f64,
     pub warm_seconds: f64,
     pub maintain_seconds: f64,
+    /// Wall time: plan, warm and maintenance, less what of the warm ran while planning.
     pub total_seconds: f64,
+    /// The head start: seconds of the warm (counted in `warm_seconds`) that read the captured hot set
+    /// while the server was being planned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_start_seconds: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -236,7 +241,9 @@ pub fn build(state: &RunState) -> Report {
             plan_seconds: plan.plan_seconds,
             warm_seconds: state.warm_seconds,
             maintain_seconds: state.maintain_seconds,
-            total_seconds: plan.plan_seconds + state.warm_seconds + state.maintain_seconds,
+            total_seconds: plan.plan_seconds + state.warm_seconds + state.maintain_seconds
+                - state.head_start_overlap_seconds,
+            head_start_seconds: (state.head_start_seconds > 0.0).then_some(state.head_start_seconds),
         },
         throughput: Throughput { warmed_bytes_per_second: 0.0, warmed_mib_per_second: 0.0 },
         hot_set: plan.hot_set.as_ref().map(|h| {

@@ -1110,9 +1110,9 @@ async fn run_batch(id: usize, s: &Shared, session: &mut Option<Session>, tasks: 
         Ok(blocks) if blocks.len() == tasks.len() => {
             let seconds = started.elapsed().as_secs_f64() / tasks.len() as f64;
             let per_fork = (seconds * 1e6) as u64;
-            let _ = s.batch_fork_micros.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |before| {
-                Some(next_fork_micros(before, per_fork))
-            });
+            let _ = s
+                .batch_fork_micros
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |before| Some(next_fork_micros(before, per_fork)));
             debug!(session = id, forks = tasks.len(), "batch of small forks read");
             s.in_hand[id].lock().unwrap().clear();
             for (t, b) in tasks.iter().zip(blocks) {

@@ -967,7 +967,11 @@ mod tests {
         assert!(bytes < 4 * 1024, "{bytes} bytes listed");
         let all: Vec<crate::report::DatabaseReport> = entries
             .iter()
-            .map(|d| crate::report::DatabaseReport { name: d.name.clone(), outcome: d.outcome, reason: d.reason.clone() })
+            .map(|d| crate::report::DatabaseReport {
+                name: d.name.clone(),
+                outcome: d.outcome,
+                reason: d.reason.clone(),
+            })
             .collect();
         assert!(serde_json::to_vec(&all).unwrap().len() > STATE_LIMIT_BYTES, "unbounded would not fit");
     }

@@ -429,9 +429,9 @@ pub fn cli_env(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> (i32, String,
     let out = Command::new(pghydrate_bin())
         .args(args)
         .current_dir(cwd)
-        .envs(env.iter().copied())
         .env_remove("PGPASSWORD")
         .env("PGHYDRATE_LOG", "warn")
+        .envs(env.iter().copied())
         .output()
         .expect("run pghydrate");
     (

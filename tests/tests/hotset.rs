@@ -6,7 +6,7 @@
 use pghydrate::hotset::CaptureReport;
 use pghydrate::plan::Plan;
 use pghydrate::report::Report;
-use pghydrate_tests::{cli, Cluster};
+use pghydrate_tests::{cli, cli_env, Cluster};
 
 fn tmp(cluster: &Cluster) -> std::path::PathBuf {
     let d = cluster.dir().join("work");
@@ -125,9 +125,33 @@ async fn a_captured_hot_set_is_read_first_and_every_block_still_once(major: u32)
         assert_eq!(next, f.blocks, "{}.{} {:?}", f.schema, f.name, f.fork);
     }
 
+    // The run reads the hot set while the rest is planned (a head start), then the rest: every block
+    // of hot, hot_pkey and cold is asked of the buffer manager exactly once, which the server counts
+    // (blocks read + buffer hits per relation; a second read of a block still cached would be a hit).
+    let app = cluster.client("app").await;
+    app.batch_execute(
+        "ALTER TABLE hot SET (autovacuum_enabled = off); ALTER TABLE cold SET (autovacuum_enabled = off);
+         SELECT pg_stat_reset()",
+    )
+    .await
+    .unwrap();
     let report_path = work.join("report.json");
-    let (code, out, err) =
-        cli(&["run", "--include-database", "app", "--report", report_path.to_str().unwrap(), &url], &work);
+    let (code, out, err) = cli_env(
+        &[
+            "run",
+            "--include-database",
+            "app",
+            "--mode",
+            "buffer",
+            "--maintenance",
+            "none",
+            "--report",
+            report_path.to_str().unwrap(),
+            &url,
+        ],
+        &work,
+        &[("PGHYDRATE_LOG", "info")],
+    );
     assert_eq!(code, 0, "run failed: {out}\n{err}");
     assert!(out.contains("captured hot set"), "the summary says what of the hot set was read: {out}");
     let report: Report = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
@@ -135,6 +159,39 @@ async fn a_captured_hot_set_is_read_first_and_every_block_still_once(major: u32)
     let hs = report.hot_set.expect("the report has the hot set");
     assert_eq!(hs.read_share, 1.0, "{hs:?}");
     assert!(hs.read_by_seconds.is_some_and(|t| t <= report.timings.warm_seconds), "{hs:?}");
+    let head = report.timings.head_start_seconds.expect("the hot set was read by a head start");
+    assert!(head > 0.0 && head <= report.timings.warm_seconds, "{:?}", report.timings);
+    for (rel, oid) in [("hot", hot), ("hot_pkey", hot_pkey), ("cold", cold)] {
+        // Every fork of the relation counts against it (main, and a table's free space and visibility
+        // maps).
+        let forks = report.relations.iter().filter(|r| r.database == "app" && r.oid == oid);
+        let blocks: u64 = forks.clone().map(|r| r.blocks).sum();
+        assert!(blocks > 0 && forks.clone().all(|r| r.warmed_blocks == r.blocks), "{rel}: read whole");
+        // Statistics reach the view once the sessions have ended (before 15: through the collector).
+        let mut seen = (0, 0);
+        for _ in 0..50 {
+            let row = app
+                .query_one(
+                    "SELECT coalesce(heap_blks_read, idx_blks_read, 0)::int8, coalesce(heap_blks_hit, idx_blks_hit, 0)::int8
+                       FROM (SELECT relid, heap_blks_read, heap_blks_hit, NULL::int8 AS idx_blks_read, NULL::int8 AS idx_blks_hit
+                               FROM pg_statio_all_tables
+                             UNION ALL
+                             SELECT indexrelid, NULL, NULL, idx_blks_read, idx_blks_hit FROM pg_statio_all_indexes) s
+                      WHERE relid = $1",
+                    &[&oid],
+                )
+                .await
+                .unwrap();
+            seen = (row.get::<_, i64>(0) as u64, row.get::<_, i64>(1) as u64);
+            if seen.0 + seen.1 >= blocks {
+                break;
+            }
+            app.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+        assert_eq!(seen, (blocks, 0), "{rel}: (blocks read, buffer hits): every block read once, none again\n{err}");
+    }
+    drop(app);
 
     // --no-hot-set orders as if there were none.
     let (code, out, _) = cli(&["plan", "--json", "--no-hot-set", "--include-database", "app", &url], &work);

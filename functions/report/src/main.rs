@@ -273,9 +273,8 @@ fn summary(run: &RunConfig, instances: Vec<InstanceReport>) -> Summary {
     let vanished: u64 = instances.iter().map(|i| i.vanished_bytes).sum();
     let live = total.saturating_sub(vanished);
     let any_failed = instances.iter().any(|i| i.outcome == "failed");
-    let complete = !instances.is_empty()
-        && !any_failed
-        && instances.iter().all(|i| i.coverage >= 1.0 && i.missed_databases == 0);
+    let complete =
+        !instances.is_empty() && !any_failed && instances.iter().all(|i| i.coverage >= 1.0 && i.missed_databases == 0);
     for i in &instances {
         // CloudWatch embedded metric format: one line per instance becomes two metrics.
         println!(
