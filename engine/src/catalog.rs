@@ -204,14 +204,7 @@ pub async fn make_plan(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Plan
     let (spans, mut uses) = match_hot_sets(&forks, stored_hot, server.block_size);
     let (ranges, hot_ranges) = order_ranges(&forks, &opts.first, opts.range_blocks, &spans);
     let hot_set = (!uses.is_empty()).then(|| {
-        // What the hot phase reads, per database (a span may have been clipped, or read whole as a
-        // `--first` table).
-        for r in &hot_ranges {
-            let db = &forks[r.fork as usize].database;
-            if let Some(u) = uses.iter_mut().find(|u| &u.database == db) {
-                u.used += 1;
-            }
-        }
+        count_used(&mut uses, &hot_ranges, &forks);
         crate::plan::HotSetPlan { databases: uses, ranges: hot_ranges }
     });
     if let Some(h) = &hot_set {
@@ -470,12 +463,7 @@ pub async fn plan_hot_phase(spec: &ConnectionSpec, opts: &PlanOptions) -> Result
     if hot_ranges.is_empty() {
         return Ok(None);
     }
-    for r in &hot_ranges {
-        let db = &forks[r.fork as usize].database;
-        if let Some(u) = uses.iter_mut().find(|u| &u.database == db) {
-            u.used += 1;
-        }
-    }
+    count_used(&mut uses, &hot_ranges, &forks);
     let plan = Plan {
         format: PLAN_FORMAT,
         created_at: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
@@ -494,6 +482,17 @@ pub async fn plan_hot_phase(spec: &ConnectionSpec, opts: &PlanOptions) -> Result
         "head start: the captured hot set is read while the rest is planned"
     );
     Ok(Some(plan))
+}
+
+/// What the hot phase reads, per database: its ranges counted into each database's `used` (a span may
+/// have been clipped, or read whole as a `--first` table).
+fn count_used(uses: &mut [crate::hotset::HotSetUse], hot_ranges: &[BlockRange], forks: &[ForkEntry]) {
+    for r in hot_ranges {
+        let db = &forks[r.fork as usize].database;
+        if let Some(u) = uses.iter_mut().find(|u| &u.database == db) {
+            u.used += 1;
+        }
+    }
 }
 
 /// Matches each database's stored hot ranges to the plan's forks: a range whose relation is gone, was
