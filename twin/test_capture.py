@@ -6,6 +6,7 @@ others still captured; an instance not listed is refused. A restore of the captu
 the hot set first through the real state machine. Run with `make e2e` (part of `make test`)."""
 import datetime
 import json
+import threading
 import time
 
 import pytest
@@ -139,12 +140,32 @@ def test_a_restore_of_the_captured_server_reads_the_hot_set_first(twin):
         {"status": "available", "storage": "Initializing", "progress": 40},
         {"status": "available"},
     ])
+    # A migration holds a table for the run's first 12 s: the Plan call waits for it (5 s lock
+    # timeouts), and meanwhile reads the hot set (its head start), which waits for no lock.
+    twin.pg.psql("CREATE TABLE IF NOT EXISTS migrating (id int)", db="app")
+    migration = threading.Thread(target=twin.pg.psql, daemon=True, kwargs={
+        "sql": "BEGIN; LOCK TABLE migrating IN ACCESS EXCLUSIVE MODE; SELECT pg_sleep(12); COMMIT", "db": "app"})
+    migration.start()
+    for _ in range(250):
+        if twin.pg.psql("SELECT count(*) FROM pg_locks WHERE relation = 'migrating'::regclass AND granted "
+                        "AND mode = 'AccessExclusiveLock'", db="app") == "1":
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError("the migration's lock was not taken")
     desc, history = twin.run({"instance": "db-restored", "include_databases": ["app"]})
+    migration.join()
     assert desc["status"] == "SUCCEEDED", desc
     summaries = plan_summaries(history)
     assert len(summaries) == 1, summaries
     s = summaries[0]
     assert s["hot_set_databases"] == 1 and s["hot_bytes"] > 0, s
     assert [h["database"] for h in s["hot_set"]] == ["app"], s["hot_set"]
+    # The Plan call read the whole hot set while it planned; no item read it again, and the report
+    # counts what it read: every byte, once.
+    head = s.get("head_start")
+    assert head and head["warmed_bytes"] > 0 and head["hot_bytes_left"] == 0, s
     report = twin.report_of(history)
-    assert report["instances"][0]["coverage"] == 1.0, report
+    i = report["instances"][0]
+    assert i["coverage"] == 1.0 and i["head_start"] == head, report
+    assert i["warmed_bytes"] == i["total_bytes"] - i["vanished_bytes"], report

@@ -546,7 +546,7 @@ async fn execute(command: Command) -> pghydrate::Result<i32> {
                 &opts.warm,
                 |server| {
                     let (sessions, adaptive) = sessions_of(warm.sessions, warm.max_sessions, server);
-                    (mode_of(warm.mode, server), sessions, adaptive)
+                    (mode_of(warm.mode, server), (sessions / 2).max(1), adaptive)
                 },
             )
             .await?;

@@ -101,66 +101,21 @@ pub struct HeadStart {
     pub seconds: f64,
 }
 
-/// Plans the whole server with [`crate::catalog::make_plan`] and, at the same time, reads the captured
-/// hot sets (a head start): a restored server's catalogs are as cold as its data, and listing every
-/// relation takes seconds (3.1-3.6 s for 1,478 relations on the benchmark's lazy volume, next to the
-/// application's own cold reads) before which no hot block would be read. `configure` gives the mode,
-/// the session ceiling and whether it adapts, for the server found; the head start takes at most half
-/// of the ceiling (planning has connections of its own). Whatever fails in the head start leaves its
-/// ranges to the full plan; the full plan's error is the error.
-pub async fn plan_with_head_start(
-    spec: &ConnectionSpec,
-    plan_opts: &crate::catalog::PlanOptions,
-    warm_opts: &WarmOptions,
-    configure: impl FnOnce(&ServerInfo) -> (warm::Mode, u32, bool),
-) -> Result<(Plan, Option<HeadStart>)> {
-    let head = async {
-        let hot = match crate::catalog::plan_hot_phase(spec, plan_opts).await {
-            Ok(Some(p)) => p,
-            Ok(None) => return None,
-            Err(e) => {
-                warn!(error = %e, "head start not made (the full plan reads the hot set)");
-                return None;
-            }
-        };
-        let (mode, sessions, adaptive) = configure(&hot.server);
-        let mut opts = warm_opts.clone();
-        opts.mode = mode;
-        opts.sessions = (sessions / 2).max(1);
-        opts.adaptive = adaptive;
-        let started = Instant::now();
-        let ranges = hot.ranges.clone();
-        let plan = Arc::new(hot);
-        match warm::warm(spec, plan.clone(), ranges, &opts, Arc::new(Counters::default())).await {
-            Ok(warmed) => {
-                let plan = Arc::try_unwrap(plan).unwrap_or_else(|p| (*p).clone());
-                Some(HeadStart { plan, warmed, seconds: started.elapsed().as_secs_f64() })
-            }
-            Err(e) => {
-                warn!(error = %e, "head start stopped (the full plan reads the hot set)");
-                None
-            }
-        }
-    };
-    let (plan, head) = tokio::join!(crate::catalog::make_plan(spec, plan_opts), head);
-    Ok((plan?, head))
-}
-
-impl RunState {
-    /// Takes in what a head start read: each block it warmed leaves `pending` (a range partly read is
-    /// cut to what is left) and its outcome joins, mapped onto this plan's forks; its time, levels and
-    /// the moment the hot set was read count as warming. What it did not warm (skipped, stopped) stays
-    /// pending here, to be read as if there had been no head start. Returns the bytes taken in.
-    pub fn absorb_head_start(&mut self, head: HeadStart) -> u64 {
+impl HeadStart {
+    /// `pending` (ranges of `plan`, the full plan) without the blocks this head start warmed, in the
+    /// same order (a range partly read is cut to what is left), and the head start's outcomes mapped
+    /// onto `plan`'s forks (by database, oid and fork). What it skipped, or read past a fork's end as
+    /// the full plan sized it, stays pending: it is read as if there had been no head start.
+    pub fn cut(&self, plan: &Plan, pending: Vec<BlockRange>) -> (Vec<BlockRange>, Vec<RangeOutcome>) {
         let index: std::collections::HashMap<(&str, u32, crate::plan::Fork), usize> =
-            self.plan.forks.iter().enumerate().map(|(i, f)| ((f.database.as_str(), f.oid, f.fork), i)).collect();
+            plan.forks.iter().enumerate().map(|(i, f)| ((f.database.as_str(), f.oid, f.fork), i)).collect();
         let mut read: std::collections::HashMap<u32, Vec<(u64, u64)>> = Default::default();
         let mut outcomes = Vec::new();
-        for o in head.warmed.outcomes {
+        for o in &self.warmed.outcomes {
             let warm::RangeResult::Warmed { seconds, .. } = o.result else { continue };
-            let hf = head.plan.fork(&o.range);
+            let hf = self.plan.fork(&o.range);
             let Some(&i) = index.get(&(hf.database.as_str(), hf.oid, hf.fork)) else { continue };
-            let f = &self.plan.forks[i];
+            let f = &plan.forks[i];
             if f.excluded || f.planned_skip.is_some() || o.range.first >= f.blocks {
                 continue;
             }
@@ -174,10 +129,10 @@ impl RunState {
         for spans in read.values_mut() {
             spans.sort_unstable();
         }
-        let pending = std::mem::take(&mut self.pending);
+        let mut left = Vec::with_capacity(pending.len());
         for r in pending {
             match read.get(&r.fork) {
-                None => self.pending.push(r),
+                None => left.push(r),
                 Some(spans) => {
                     let mut next = r.first;
                     for &(a, b) in spans {
@@ -185,7 +140,7 @@ impl RunState {
                             continue;
                         }
                         if a > next {
-                            self.pending.push(BlockRange { fork: r.fork, first: next, last: a - 1 });
+                            left.push(BlockRange { fork: r.fork, first: next, last: a - 1 });
                         }
                         next = next.max(b.saturating_add(1));
                         if next > r.last {
@@ -193,11 +148,93 @@ impl RunState {
                         }
                     }
                     if next <= r.last {
-                        self.pending.push(BlockRange { fork: r.fork, first: next, last: r.last });
+                        left.push(BlockRange { fork: r.fork, first: next, last: r.last });
                     }
                 }
             }
         }
+        (left, outcomes)
+    }
+}
+
+/// Plans the whole server with [`crate::catalog::make_plan`] and, at the same time, reads the captured
+/// hot sets (a head start): a restored server's catalogs are as cold as its data, and listing every
+/// relation takes seconds (3.1-3.6 s for 1,478 relations on the benchmark's lazy volume, next to the
+/// application's own cold reads) before which no hot block would be read. `configure` gives the head
+/// start's mode, session ceiling and whether it adapts, for the server found (planning has connections
+/// of its own: the CLI gives it half of the run's ceiling).
+///
+/// The head start fills planning time and no more: when the full plan is made it starts no new range,
+/// and the statements it has sent finish (a block it began is not read twice). What it did not reach
+/// stays in the full plan, first in its order, for the run's (or the workflow's) own sessions, all of
+/// them. Whatever fails in the head start leaves its ranges to the full plan; the full plan's error is
+/// the error.
+pub async fn plan_with_head_start(
+    spec: &ConnectionSpec,
+    plan_opts: &crate::catalog::PlanOptions,
+    warm_opts: &WarmOptions,
+    configure: impl FnOnce(&ServerInfo) -> (warm::Mode, u32, bool),
+) -> Result<(Plan, Option<HeadStart>)> {
+    let planned = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let full = async {
+        let plan = crate::catalog::make_plan(spec, plan_opts).await;
+        planned.store(true, std::sync::atomic::Ordering::Relaxed);
+        plan
+    };
+    let head = async {
+        let hot = match crate::catalog::plan_hot_phase(spec, plan_opts).await {
+            Ok(Some(p)) => p,
+            Ok(None) => return None,
+            Err(e) => {
+                warn!(error = %e, "head start not made (the full plan reads the hot set)");
+                return None;
+            }
+        };
+        if planned.load(std::sync::atomic::Ordering::Relaxed) {
+            info!("head start not made: the full plan was ready first");
+            return None;
+        }
+        let (mode, sessions, adaptive) = configure(&hot.server);
+        let mut opts = warm_opts.clone();
+        opts.mode = mode;
+        opts.sessions = sessions.max(1);
+        opts.adaptive = adaptive;
+        opts.drain = Some(planned.clone());
+        let started = Instant::now();
+        let ranges = hot.ranges.clone();
+        let plan = Arc::new(hot);
+        match warm::warm(spec, plan.clone(), ranges, &opts, Arc::new(Counters::default())).await {
+            Ok(warmed) if warmed.outcomes.is_empty() => None,
+            Ok(warmed) => {
+                let plan = Arc::try_unwrap(plan).unwrap_or_else(|p| (*p).clone());
+                let seconds = started.elapsed().as_secs_f64();
+                info!(
+                    ranges_read = warmed.outcomes.len(),
+                    ranges_left = warmed.pending.len(),
+                    seconds,
+                    "head start ended with planning"
+                );
+                Some(HeadStart { plan, warmed, seconds })
+            }
+            Err(e) => {
+                warn!(error = %e, "head start stopped (the full plan reads the hot set)");
+                None
+            }
+        }
+    };
+    let (plan, head) = tokio::join!(full, head);
+    Ok((plan?, head))
+}
+
+impl RunState {
+    /// Takes in what a head start read: each block it warmed leaves `pending` (a range partly read is
+    /// cut to what is left) and its outcome joins, mapped onto this plan's forks; its time, levels and
+    /// the moment the hot set was read count as warming. What it did not warm (skipped, stopped) stays
+    /// pending here, to be read as if there had been no head start. Returns the bytes taken in.
+    pub fn absorb_head_start(&mut self, head: HeadStart) -> u64 {
+        let pending = std::mem::take(&mut self.pending);
+        let (pending, outcomes) = head.cut(&self.plan, pending);
+        self.pending = pending;
         let bytes = outcomes.iter().map(|o| self.plan.bytes(o.range.blocks())).sum();
         self.outcomes.extend(outcomes);
         let offset = self.warm_seconds;

@@ -72,6 +72,10 @@ pub struct WarmOptions {
     /// Set (by a Ctrl-C or SIGTERM handler, say) to stop: no new range starts, and the ranges left are
     /// pending, as at a deadline.
     pub stop: Option<Arc<AtomicBool>>,
+    /// Set to end the warm without cutting anything short: no new range starts, the statements
+    /// already sent finish (and count), and the ranges left are pending. A head start ends this way
+    /// when planning ends ([`crate::run::plan_with_head_start`]): a block it began is not read twice.
+    pub drain: Option<Arc<AtomicBool>>,
     /// Adapt how many sessions read at once to the throughput they deliver ([`crate::adaptive`]),
     /// between 1 and `sessions`; otherwise exactly `sessions` read.
     pub adaptive: bool,
@@ -112,6 +116,7 @@ impl Default for WarmOptions {
             margin: Duration::from_secs(30),
             reconnect_for: Duration::from_secs(120),
             stop: None,
+            drain: None,
             adaptive: false,
             start_sessions: None,
             step_blocks: DEFAULT_STEP_BLOCKS,
@@ -701,6 +706,10 @@ async fn worker(id: usize, s: Arc<Shared>) {
     loop {
         if s.deadline_near() {
             debug!(session = id, "deadline near or stop asked: starting no new range");
+            break;
+        }
+        if s.opts.drain.as_ref().is_some_and(|d| d.load(Ordering::Relaxed)) {
+            debug!(session = id, "drain asked: starting no new range");
             break;
         }
         if id >= s.active.load(Ordering::Relaxed) {

@@ -699,6 +699,19 @@ pub struct PlanSummary {
     /// Bytes of the hot phase.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub hot_bytes: u64,
+    /// What the Plan call read of the hot sets while it planned (not in any item).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_start: Option<HeadStartSummary>,
+}
+
+/// What a head start read in the Plan call ([`plan_items`]): its bytes count as warmed for the
+/// instance, and no item reads them again.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct HeadStartSummary {
+    pub warmed_bytes: u64,
+    pub seconds: f64,
+    /// Bytes of the hot phase it did not reach: the first items read them.
+    pub hot_bytes_left: u64,
 }
 
 /// How many databases a plan planned, skipped (could not plan) and excluded (patterns, defaults).
@@ -791,21 +804,53 @@ pub fn warm_sizing(
     (WarmSizing { calls, sessions_per_call: (total / calls).min(per_call) }, note)
 }
 
-/// Plans for the workflow: the items and their summary.
-pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanSummary, Vec<WorkItem>)> {
-    let plan = crate::catalog::make_plan(spec, &run.plan_options(3)?).await?;
-    let mut items = work_items(&plan, run.item_blocks, run.item_ranges)?;
-    items.extend(locked_items(&plan, items.len() as u32));
-    let bs = plan.server.block_size;
-    // Relations locked while planning are accounted for by their items (sized when they are tried again).
-    let live: Vec<&ForkEntry> = plan.forks.iter().filter(|f| !f.excluded && !locked_while_planning(f)).collect();
-    let skipped: Vec<&&ForkEntry> = live.iter().filter(|f| f.planned_skip.is_some()).collect();
-    let mode = match run.mode.as_str() {
-        "auto" => Mode::auto(&plan.server),
+/// Plans for the workflow: the items and their summary. With `head_start` (the Plan call's warm
+/// options: its deadline, margin and timeouts), the captured hot sets are read while the rest is
+/// planned ([`crate::run::plan_with_head_start`], with at most one call's sessions, and no more than
+/// half the instance's); what the head start read is left out of the items and counted in the
+/// summary's `head_start`.
+pub async fn plan_items(
+    spec: &ConnectionSpec,
+    run: &RunConfig,
+    head_start: Option<&WarmOptions>,
+) -> Result<(PlanSummary, Vec<WorkItem>)> {
+    let mode_for = |server: &crate::plan::ServerInfo| match run.mode.as_str() {
+        "auto" => Mode::auto(server),
         "buffer" => Mode::Buffer,
         "prefetch" => Mode::Prefetch,
         _ => Mode::Read,
     };
+    let plan_opts = run.plan_options(3)?;
+    let (mut plan, head) = match head_start {
+        Some(opts) => {
+            crate::run::plan_with_head_start(spec, &plan_opts, opts, |server| {
+                let (sizing, _) = warm_sizing(run.sessions, run.call_sessions, server);
+                let sessions = sizing.sessions_per_call.min((sizing.sessions_per_call * sizing.calls / 2).max(1));
+                (mode_for(server), sessions, sessions > 1)
+            })
+            .await?
+        }
+        None => (crate::catalog::make_plan(spec, &plan_opts).await?, None),
+    };
+    let bs = plan.server.block_size;
+    let planned_bytes = plan.planned_blocks() * bs;
+    let head_start = head.map(|h| {
+        let pending = std::mem::take(&mut plan.ranges);
+        let (left, outcomes) = h.cut(&plan, pending);
+        plan.ranges = left;
+        let hot = plan.hot_set.as_ref().map(|s| crate::hotset::HotBlocks::new(&s.ranges)).unwrap_or_default();
+        HeadStartSummary {
+            warmed_bytes: outcomes.iter().map(|o| o.range.blocks()).sum::<u64>() * bs,
+            seconds: (h.seconds * 1000.0).round() / 1000.0,
+            hot_bytes_left: plan.ranges.iter().map(|r| hot.within(r)).sum::<u64>() * bs,
+        }
+    });
+    let mut items = work_items(&plan, run.item_blocks, run.item_ranges)?;
+    items.extend(locked_items(&plan, items.len() as u32));
+    // Relations locked while planning are accounted for by their items (sized when they are tried again).
+    let live: Vec<&ForkEntry> = plan.forks.iter().filter(|f| !f.excluded && !locked_while_planning(f)).collect();
+    let skipped: Vec<&&ForkEntry> = live.iter().filter(|f| f.planned_skip.is_some()).collect();
+    let mode = mode_for(&plan.server);
     let (sizing, sessions_note) = warm_sizing(run.sessions, run.call_sessions, &plan.server);
     for item in &mut items {
         item.mode = mode;
@@ -819,7 +864,7 @@ pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanS
         database_counts,
         forks: live.len(),
         total_bytes: live.iter().map(|f| f.blocks * bs).sum(),
-        planned_bytes: plan.planned_blocks() * bs,
+        planned_bytes,
         planned_skips: skipped
             .iter()
             .take(50)
@@ -838,6 +883,7 @@ pub async fn plan_items(spec: &ConnectionSpec, run: &RunConfig) -> Result<(PlanS
         hot_set: plan.hot_set.as_ref().map(|h| listed_hot_sets(&h.databases)).unwrap_or_default(),
         hot_set_databases: plan.hot_set.as_ref().map_or(0, |h| h.databases.len()),
         hot_bytes: plan.hot_set.as_ref().map_or(0, |h| h.blocks() * bs),
+        head_start,
     };
     Ok((summary, items))
 }

@@ -40,6 +40,60 @@ fn hot_blocks(plan: &Plan, db: &str, oid: u32) -> u64 {
         .sum()
 }
 
+/// Holds ACCESS EXCLUSIVE on `table` for `seconds`, from a session of its own (a migration, say), and
+/// returns once the lock is held. Planning waits for it (up to its lock_timeout) while a head start,
+/// which lists only the hot set's relations and waits for no lock, reads: without it, planning a small
+/// local database can end before the head start has begun.
+async fn hold_lock(cluster: &Cluster, db: &str, table: &str, seconds: f64) -> tokio::task::JoinHandle<()> {
+    let holder = cluster.client(db).await;
+    let sql = format!("BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE; SELECT pg_sleep({seconds}); COMMIT");
+    let held = tokio::spawn(async move { holder.batch_execute(&sql).await.unwrap() });
+    let watcher = cluster.client(db).await;
+    for _ in 0..250 {
+        let n: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE relation = $1::text::regclass::oid AND mode = 'AccessExclusiveLock' AND granted",
+                &[&table],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if n > 0 {
+            return held;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("the lock on {table} was not taken");
+}
+
+/// (blocks read, buffer hits) of relation `oid` as the server counts them, once they reach `blocks` (or
+/// after 10 s): statistics reach the view once the sessions have ended (before 15: through the
+/// collector).
+async fn blocks_read_and_hit(app: &tokio_postgres::Client, oid: u32, blocks: u64) -> (u64, u64) {
+    let mut seen = (0, 0);
+    for _ in 0..50 {
+        let row = app
+            .query_one(
+                "SELECT coalesce(heap_blks_read, idx_blks_read, 0)::int8, coalesce(heap_blks_hit, idx_blks_hit, 0)::int8
+                   FROM (SELECT relid, heap_blks_read, heap_blks_hit, NULL::int8 AS idx_blks_read, NULL::int8 AS idx_blks_hit
+                           FROM pg_statio_all_tables
+                         UNION ALL
+                         SELECT indexrelid, NULL, NULL, idx_blks_read, idx_blks_hit FROM pg_statio_all_indexes) s
+                  WHERE relid = $1",
+                &[&oid],
+            )
+            .await
+            .unwrap();
+        seen = (row.get::<_, i64>(0) as u64, row.get::<_, i64>(1) as u64);
+        if seen.0 + seen.1 >= blocks {
+            break;
+        }
+        app.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    seen
+}
+
 async fn a_captured_hot_set_is_read_first_and_every_block_still_once(major: u32) {
     let cluster = Cluster::start(major, &["shared_buffers = 64MB"]);
     let admin = cluster.client("postgres").await;
@@ -53,7 +107,8 @@ async fn a_captured_hot_set_is_read_first_and_every_block_still_once(major: u32)
          CREATE TABLE cold (id int PRIMARY KEY, v text) WITH (fillfactor = 10);
          INSERT INTO cold SELECT i, 'c' || i FROM generate_series(1, 60000) i;
          CREATE TABLE rewritten (id int, v text);
-         INSERT INTO rewritten SELECT i, repeat('r', 100) FROM generate_series(1, 20000) i",
+         INSERT INTO rewritten SELECT i, repeat('r', 100) FROM generate_series(1, 20000) i;
+         CREATE TABLE migrating (id int)",
     )
     .await
     .unwrap();
@@ -136,6 +191,8 @@ async fn a_captured_hot_set_is_read_first_and_every_block_still_once(major: u32)
     .await
     .unwrap();
     let report_path = work.join("report.json");
+    // A migration holds a table for the first 2 s: planning waits for it, the head start reads.
+    let migration = hold_lock(&cluster, "app", "migrating", 2.0).await;
     let (code, out, err) = cli_env(
         &[
             "run",
@@ -153,6 +210,7 @@ async fn a_captured_hot_set_is_read_first_and_every_block_still_once(major: u32)
         &[("PGHYDRATE_LOG", "info")],
     );
     assert_eq!(code, 0, "run failed: {out}\n{err}");
+    migration.await.unwrap();
     assert!(out.contains("captured hot set"), "the summary says what of the hot set was read: {out}");
     let report: Report = serde_json::from_str(&std::fs::read_to_string(&report_path).unwrap()).unwrap();
     assert_eq!(report.coverage, 1.0);
@@ -167,28 +225,7 @@ async fn a_captured_hot_set_is_read_first_and_every_block_still_once(major: u32)
         let forks = report.relations.iter().filter(|r| r.database == "app" && r.oid == oid);
         let blocks: u64 = forks.clone().map(|r| r.blocks).sum();
         assert!(blocks > 0 && forks.clone().all(|r| r.warmed_blocks == r.blocks), "{rel}: read whole");
-        // Statistics reach the view once the sessions have ended (before 15: through the collector).
-        let mut seen = (0, 0);
-        for _ in 0..50 {
-            let row = app
-                .query_one(
-                    "SELECT coalesce(heap_blks_read, idx_blks_read, 0)::int8, coalesce(heap_blks_hit, idx_blks_hit, 0)::int8
-                       FROM (SELECT relid, heap_blks_read, heap_blks_hit, NULL::int8 AS idx_blks_read, NULL::int8 AS idx_blks_hit
-                               FROM pg_statio_all_tables
-                             UNION ALL
-                             SELECT indexrelid, NULL, NULL, idx_blks_read, idx_blks_hit FROM pg_statio_all_indexes) s
-                      WHERE relid = $1",
-                    &[&oid],
-                )
-                .await
-                .unwrap();
-            seen = (row.get::<_, i64>(0) as u64, row.get::<_, i64>(1) as u64);
-            if seen.0 + seen.1 >= blocks {
-                break;
-            }
-            app.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        }
+        let seen = blocks_read_and_hit(&app, oid, blocks).await;
         assert_eq!(seen, (blocks, 0), "{rel}: (blocks read, buffer hits): every block read once, none again\n{err}");
     }
     drop(app);
@@ -557,4 +594,104 @@ async fn a_young_server_or_a_deadline_keeps_the_previous_capture() {
         assert!(d.error.as_deref().is_some_and(|e| e.contains("time ran out")), "{d:?}");
     }
     assert_eq!((stamp("big").await, stamp("small").await), before, "every previous capture kept");
+}
+
+/// The serverless workflow's Plan call gives the hot set the same head start as `run`: it reads the
+/// captured hot set while it plans, its items leave out what it read, and the Warm calls read the rest.
+/// Every block of hot, its index and cold is asked of the buffer manager exactly once (the server's
+/// own counters), and what the items warmed plus what the head start warmed is exactly what was
+/// planned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plan_call_reads_the_hot_set_while_it_plans_and_no_item_reads_it_again() {
+    use pghydrate::workflow::{call_options, plan_items, Defaults, RunConfig, WorkItem};
+    use std::time::{Duration, Instant};
+    let cluster = Cluster::start(18, &["shared_buffers = 64MB"]);
+    let admin = cluster.client("postgres").await;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    admin.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
+    let app = cluster.client("app").await;
+    app.batch_execute(
+        "CREATE EXTENSION pg_prewarm;
+         CREATE TABLE hot (id int PRIMARY KEY, v text) WITH (fillfactor = 10, autovacuum_enabled = off);
+         INSERT INTO hot SELECT i, 'h' || i FROM generate_series(1, 20000) i;
+         CREATE TABLE cold (id int PRIMARY KEY, v text) WITH (fillfactor = 10, autovacuum_enabled = off);
+         INSERT INTO cold SELECT i, 'c' || i FROM generate_series(1, 60000) i;
+         CREATE TABLE migrating (id int)",
+    )
+    .await
+    .unwrap();
+    app.batch_execute("VACUUM").await.unwrap();
+    let (hot, hot_pkey, cold) = (oid_of(&app, "hot").await, oid_of(&app, "hot_pkey").await, oid_of(&app, "cold").await);
+    drop(app);
+    cluster.restart();
+    let app = cluster.client("app").await;
+    app.batch_execute("SELECT pg_prewarm('hot'), pg_prewarm('hot_pkey')").await.unwrap();
+    let work = tmp(&cluster);
+    let (code, out, err) = cli(&["capture", &cluster.superuser_url("postgres")], &work);
+    assert_eq!(code, 0, "capture failed: {out}\n{err}");
+    drop(app);
+    cluster.restart();
+    let app = cluster.client("app").await;
+    app.batch_execute("SELECT pg_stat_reset()").await.unwrap();
+
+    let spec = cluster.superuser_spec().with_timeouts(Duration::from_secs(10), Duration::from_secs(300));
+    let trigger = pghydrate::events::parse_input(
+        &serde_json::json!({"instance": "local", "mode": "buffer", "maintenance": "none", "include_databases": ["app"]}),
+        None,
+        None,
+    )
+    .unwrap();
+    let run = RunConfig::new("exec-head", trigger, &Defaults::from_env(|_| None).unwrap());
+    // As the Plan function: the call's deadline, margin and timeouts; sessions and mode from the plan.
+    let head = call_options(Instant::now() + Duration::from_secs(120), Duration::from_secs(5), 1);
+    let migration = hold_lock(&cluster, "app", "migrating", 2.0).await;
+    let (summary, items) = plan_items(&spec, &run, Some(&head)).await.unwrap();
+    migration.await.unwrap();
+    let h = summary.head_start.clone().expect("the Plan call made a head start");
+    assert!(summary.hot_bytes > 0 && h.warmed_bytes > 0, "{summary:?}");
+    assert_eq!(h.hot_bytes_left, 0, "planning took 2 s: the head start read the whole hot set then: {h:?}");
+    // No item holds a block of hot's or hot_pkey's main fork (what was cached, so captured): the head
+    // start read them all.
+    for item in &items {
+        for r in &item.pending {
+            let f = &item.forks[r.fork as usize];
+            let again = (f.oid == hot || f.oid == hot_pkey) && f.fork == pghydrate::plan::Fork::Main;
+            assert!(!again, "item {} reads {}'s blocks {}-{} again", item.id, f.name, r.first, r.last);
+        }
+    }
+    let mut warmed = 0;
+    for item in items {
+        let mut text = serde_json::to_string(&item).unwrap();
+        loop {
+            let mut item: WorkItem = serde_json::from_str(&text).unwrap();
+            let opts = call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(5), item.sessions);
+            item.advance(&spec, &opts).await.unwrap();
+            text = serde_json::to_string(&item).unwrap();
+            if item.done() {
+                let s = item.summary();
+                assert_eq!((s.skipped_bytes, s.vanished_bytes, s.pending_bytes), (0, 0, 0), "{s:?}");
+                warmed += s.warmed_bytes;
+                break;
+            }
+            assert!(item.calls < 20, "no progress");
+        }
+    }
+    assert_eq!(warmed + h.warmed_bytes, summary.planned_bytes, "every planned byte warmed once: {summary:?}");
+    assert_eq!(summary.planned_bytes, summary.total_bytes);
+    for (rel, oid) in [("hot", hot), ("hot_pkey", hot_pkey), ("cold", cold)] {
+        // Every fork of the relation counts against it (main, and a table's free space and visibility maps).
+        let blocks: i64 = app
+            .query_one(
+                "SELECT (sum(pg_relation_size($1::text::regclass, f)) / current_setting('block_size')::int8)::int8
+                   FROM unnest(ARRAY['main', 'fsm', 'vm', 'init']) f",
+                &[&rel],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        let blocks = blocks as u64;
+        assert!(blocks > 0);
+        let seen = blocks_read_and_hit(&app, oid, blocks).await;
+        assert_eq!(seen, (blocks, 0), "{rel}: (blocks read, buffer hits): every block read once, none again");
+    }
 }

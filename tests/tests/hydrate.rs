@@ -631,7 +631,7 @@ async fn workflow_items_continue_until_done(major: u32) {
     let mut defaults = Defaults::from_env(|_| None).unwrap();
     defaults.range_blocks = 16;
     let run = RunConfig::new("exec-1", trigger, &defaults);
-    let (summary, items) = plan_items(&spec, &run).await.unwrap();
+    let (summary, items) = plan_items(&spec, &run, None).await.unwrap();
     assert_eq!(summary.items, items.len());
     assert_eq!(summary.mode, "buffer");
     assert_eq!(items[0].forks[items[0].pending[0].fork as usize].name, "tiny");

@@ -495,7 +495,7 @@ async fn a_retried_item_that_had_half_finished_counts_every_byte_once() {
     .unwrap();
     let mut defaults = Defaults::from_env(|_| None).unwrap();
     defaults.range_blocks = 16;
-    let (summary, items) = plan_items(&spec, &RunConfig::new("exec-retry", trigger, &defaults)).await.unwrap();
+    let (summary, items) = plan_items(&spec, &RunConfig::new("exec-retry", trigger, &defaults), None).await.unwrap();
     let locker = cluster.client("app").await;
     locker.batch_execute("BEGIN; LOCK TABLE customers IN ACCESS EXCLUSIVE MODE").await.unwrap();
     let mut counted = 0;

@@ -659,7 +659,7 @@ async fn a_warm_call_whose_database_stays_unreachable_fails_retryably() {
     )
     .unwrap();
     let defaults = Defaults::from_env(|_| None).unwrap();
-    let (_, items) = plan_items(&spec, &RunConfig::new("exec-down", trigger, &defaults)).await.unwrap();
+    let (_, items) = plan_items(&spec, &RunConfig::new("exec-down", trigger, &defaults), None).await.unwrap();
     cluster.stop("fast");
     let mut item = items[0].clone();
     let mut opts = call_options(Instant::now() + Duration::from_secs(60), Duration::from_secs(5), 1);
@@ -708,7 +708,7 @@ async fn a_migration_locking_many_tables_neither_stalls_the_workflows_plan_nor_l
     .unwrap();
     let run = RunConfig::new("exec-locks", trigger, &Defaults::from_env(|_| None).unwrap());
     let started = Instant::now();
-    let (summary, items) = plan_items(&spec, &run).await.unwrap();
+    let (summary, items) = plan_items(&spec, &run, None).await.unwrap();
     let planning = started.elapsed();
     eprintln!("planning with 60 tables locked: {planning:?}");
     // A stall detector, not a speed goal: 3 waits of 2 s and the catalog work, against 360 s before.

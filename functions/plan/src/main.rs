@@ -1,10 +1,10 @@
 //! Plan: discovers every relation fork of every database on the instance and cuts the plan into work
-//! items; a few small items travel inline (at most 40 and 128 KiB), more go to S3 for a Distributed Map.
+//! items, reading the captured hot sets meanwhile (a head start); a few small items travel inline (at most 40 and 128 KiB), more go to S3 for a Distributed Map.
 
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
-use pghydrate::workflow::{fits_inline, plan_items, Endpoint, PlanSummary, RunConfig, Target, WorkItem};
+use pghydrate::workflow::{call_options, fits_inline, plan_items, Endpoint, PlanSummary, RunConfig, Target, WorkItem};
 use pghydrate::Error;
-use pghydrate_lambda::{init_tracing, Aws, DbConfig, Failure};
+use pghydrate_lambda::{deadline, init_tracing, Aws, DbConfig, Failure};
 use serde::{Deserialize, Serialize};
 
 #[derive(Deserialize)]
@@ -36,10 +36,18 @@ struct Deps {
 }
 
 async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, Failure> {
+    let until = deadline(&event.context);
     let r = event.payload;
     let spec = deps.db.connect_spec(&deps.aws, &r.run, &r.endpoint).await?;
-    let (summary, items) = plan_items(&spec, &r.run).await?;
-    tracing::info!(instance = %r.target.instance, items = items.len(), planned_bytes = summary.planned_bytes, "planned");
+    // A captured hot set is read while the rest is planned (a head start, ended when the plan is made,
+    // or by this call's deadline less its margin); its sessions and mode are set from the server.
+    let mut head = call_options(until, deps.db.margin, 1);
+    head.lock_timeout = deps.db.lock_timeout;
+    head.reconnect_for = deps.db.reconnect_for;
+    head.step_blocks = deps.db.step_blocks;
+    let (summary, items) = plan_items(&spec, &r.run, Some(&head)).await?;
+    tracing::info!(instance = %r.target.instance, items = items.len(), planned_bytes = summary.planned_bytes,
+                   head_start_bytes = summary.head_start.as_ref().map_or(0, |h| h.warmed_bytes), "planned");
     if fits_inline(&items) {
         return Ok(Response { summary, items, distributed: None });
     }

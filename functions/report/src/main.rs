@@ -5,7 +5,7 @@
 //! warmed and coverage in embedded metric format.
 
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
-use pghydrate::workflow::{DatabaseCounts, ItemSummary, PlanSummary, RunConfig, LISTED_SKIPS};
+use pghydrate::workflow::{DatabaseCounts, HeadStartSummary, ItemSummary, PlanSummary, RunConfig, LISTED_SKIPS};
 use pghydrate::Error;
 use pghydrate_lambda::{init_tracing, Aws, Failure};
 use serde::{Deserialize, Serialize};
@@ -51,6 +51,9 @@ struct InstanceReport {
     databases: Option<DatabaseCounts>,
     maintenance: Value,
     storage: Value,
+    /// What the Plan call read of the captured hot sets while it planned (counted in warmed_bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    head_start: Option<HeadStartSummary>,
     /// The warm phase's Lambda calls: how many, how long in all (what Lambda bills), and how they
     /// were sized.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -176,6 +179,7 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
             databases: None,
             maintenance: Value::Null,
             storage: Value::Null,
+            head_start: None,
             warm: None,
             error: Some(v["error"].clone()),
         });
@@ -183,7 +187,10 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
     // Null on the storage-only path (no plan, no maintenance).
     let plan: Option<PlanSummary> = serde_json::from_value(v["plan"]["summary"].clone()).ok();
     let (items, failed_children) = item_summaries(aws, &v["warmed"]).await?;
-    let warmed: u64 = items.iter().map(|i| i.warmed_bytes).sum();
+    // What the Plan call's head start read is in no item: it counts here.
+    let head_start = plan.as_ref().and_then(|p| p.head_start.clone());
+    let warmed: u64 =
+        items.iter().map(|i| i.warmed_bytes).sum::<u64>() + head_start.as_ref().map_or(0, |h| h.warmed_bytes);
     let vanished: u64 = items.iter().map(|i| i.vanished_bytes).sum();
     let skipped_run: u64 = items.iter().map(|i| i.skipped_bytes + i.pending_bytes).sum();
     // Relations locked while planning are in no plan total: the items that tried them again add them.
@@ -227,6 +234,7 @@ async fn instance_report(aws: &Aws, v: &Value) -> Result<InstanceReport, Error> 
         databases: plan.as_ref().map(|p| p.database_counts),
         maintenance: v["maintained"]["summary"].clone(),
         storage: v["storage"].clone(),
+        head_start,
         warm: plan.as_ref().map(|p| WarmCalls {
             calls: items.iter().map(|i| i.calls).sum(),
             call_seconds: (items.iter().map(|i| i.call_seconds).sum::<f64>() * 10.0).round() / 10.0,
@@ -335,6 +343,7 @@ mod tests {
             databases: None,
             maintenance: Value::Null,
             storage: Value::Null,
+            head_start: None,
             warm: None,
             error: None,
         }
@@ -386,5 +395,29 @@ mod tests {
         let missed = InstanceReport { missed_databases: 1, ..instance("hydrated", 100, 100) };
         let s = summary(&run(), vec![missed]);
         assert_eq!(s.status, "incomplete");
+    }
+
+    /// The blocks the Plan call's head start read are in no item: the instance's warmed bytes count
+    /// them, so that a run whose hot set was read while planning still reports every byte.
+    #[tokio::test]
+    async fn a_head_starts_bytes_count_as_warmed() {
+        let aws = Aws::from_env().await;
+        let plan = json!({"server_version": "18.1", "mode": "buffer", "databases": [], "forks": 3,
+                          "total_bytes": 10 * 8192, "planned_bytes": 10 * 8192, "planned_skips": [],
+                          "planned_skip_count": 0, "planned_skip_bytes": 0, "items": 1,
+                          "head_start": {"warmed_bytes": 4 * 8192, "seconds": 0.5, "hot_bytes_left": 0}});
+        let item = json!({"id": 0, "database": "app", "warmed_bytes": 6 * 8192, "vanished_bytes": 0,
+                          "skipped_bytes": 0, "pending_bytes": 0, "calls": 1, "skipped": []});
+        let branch = json!({"instance": "db1", "plan": {"summary": plan}, "warmed": [item],
+                            "maintained": {"summary": null}, "storage": null});
+        let r = instance_report(&aws, &branch).await.unwrap();
+        assert_eq!((r.warmed_bytes, r.coverage), (10 * 8192, 1.0), "{r:?}");
+        assert_eq!(r.head_start.as_ref().map(|h| h.warmed_bytes), Some(4 * 8192));
+        // Without it, the same items cover six tenths.
+        let mut branch = branch;
+        branch["plan"]["summary"].as_object_mut().unwrap().remove("head_start");
+        let r = instance_report(&aws, &branch).await.unwrap();
+        assert_eq!(r.warmed_bytes, 6 * 8192);
+        assert!((r.coverage - 0.6).abs() < 1e-9, "{r:?}");
     }
 }
