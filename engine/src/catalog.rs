@@ -413,7 +413,13 @@ fn planned_forks(
 /// privileges, pg_prewarm present; nothing is created here), and no lock is waited for. None when no
 /// database has a usable hot set, or with `--first` patterns (their tables come before the hot set),
 /// or without hot sets (`ignore_hot_set`). Shared catalogs are left to the full plan.
-pub async fn plan_hot_phase(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Option<Plan>> {
+///
+/// The head start runs beside the full plan, and pghydrate takes at most half the server's free
+/// connection slots in all ([`crate::run::effective_sessions`]): the full plan's sessions (databases
+/// planned at once) come out of that first, and the head start gets what is left, for its own planning
+/// sessions and then for its reading sessions (returned with the plan). None when nothing is left (a
+/// server with few free slots): the full plan reads the hot set first, as without a head start.
+pub async fn plan_hot_phase(spec: &ConnectionSpec, opts: &PlanOptions) -> Result<Option<(Plan, u32)>> {
     let started = Instant::now();
     if opts.ignore_hot_set || !opts.first.is_empty() || opts.range_blocks == 0 {
         return Ok(None);
@@ -426,7 +432,15 @@ pub async fn plan_hot_phase(spec: &ConnectionSpec, opts: &PlanOptions) -> Result
     check_database_patterns(&opts, &dbs)?;
     let lock_waits = AtomicU32::new(0);
     let wanted = if opts.databases_at_once == 0 { DATABASES_AT_ONCE } else { opts.databases_at_once };
-    let (at_once, _) = crate::run::effective_sessions(wanted.min(256) as u32, &server);
+    let (full_plan_sessions, connections) = head_start_connections(&server, wanted);
+    if connections == 0 {
+        info!(
+            full_plan_sessions,
+            "no head start: the full plan's sessions take all of the connection slots pghydrate may use"
+        );
+        return Ok(None);
+    }
+    let at_once = full_plan_sessions.min(connections);
     let planned: Vec<_> = futures_util::stream::iter(dbs.iter().map(|d| {
         let (opts, server, lock_waits) = (&opts, &server, &lock_waits);
         async move {
@@ -479,9 +493,18 @@ pub async fn plan_hot_phase(spec: &ConnectionSpec, opts: &PlanOptions) -> Result
         ranges = plan.ranges.len(),
         bytes = plan.bytes(plan.planned_blocks()),
         seconds = plan.plan_seconds,
+        connections,
         "head start: the captured hot set is read while the rest is planned"
     );
-    Ok(Some(plan))
+    Ok(Some((plan, connections)))
+}
+
+/// (the full plan's sessions, the most connections a head start may hold beside them): pghydrate takes
+/// at most half the server's free slots in all, and the full plan's `databases_at_once` come first.
+pub fn head_start_connections(server: &ServerInfo, databases_at_once: usize) -> (u32, u32) {
+    let (full_plan, _) = crate::run::effective_sessions(databases_at_once.min(256) as u32, server);
+    let (budget, _) = crate::run::effective_sessions(u32::MAX, server);
+    (full_plan, budget.saturating_sub(full_plan))
 }
 
 /// What the hot phase reads, per database: its ranges counted into each database's `used` (a span may
@@ -1002,6 +1025,32 @@ mod tests {
             excluded: false,
             table_schema: None,
             partition_of: Vec::new(),
+        }
+    }
+
+    /// The head start and the full plan together hold no more than pghydrate's half of the free
+    /// connection slots: planning's sessions first, the head start what is left, or none.
+    #[test]
+    fn a_head_start_holds_only_what_planning_leaves_of_half_the_free_slots() {
+        let server = |max: u32, in_use: u32| ServerInfo {
+            max_connections: max,
+            reserved_connections: 3,
+            connections_in_use: in_use,
+            ..ServerInfo::example()
+        };
+        // 97 free: 48 for pghydrate, 8 planning, 40 for the head start.
+        assert_eq!(head_start_connections(&server(100, 0), DATABASES_AT_ONCE), (8, 40));
+        // 16 free: 8 for pghydrate, all planning's: no head start.
+        assert_eq!(head_start_connections(&server(20, 1), DATABASES_AT_ONCE), (8, 0));
+        // 22 free: 11, 8 planning, 3 left.
+        assert_eq!(head_start_connections(&server(25, 0), DATABASES_AT_ONCE), (8, 3));
+        // A nearly full server: pghydrate takes one slot, planning's.
+        assert_eq!(head_start_connections(&server(10, 7), DATABASES_AT_ONCE), (1, 0));
+        for (max, in_use, at_once) in [(100, 0, 8), (20, 1, 8), (25, 0, 2), (10, 7, 8), (500, 100, 64)] {
+            let s = server(max, in_use);
+            let (planning, head) = head_start_connections(&s, at_once);
+            let free = max - 3 - in_use;
+            assert!(planning + head <= (free / 2).max(1), "{max} {in_use} {at_once}: {planning} + {head}");
         }
     }
 

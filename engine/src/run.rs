@@ -161,8 +161,9 @@ impl HeadStart {
 /// hot sets (a head start): a restored server's catalogs are as cold as its data, and listing every
 /// relation takes seconds (3.1-3.6 s for 1,478 relations on the benchmark's lazy volume, next to the
 /// application's own cold reads) before which no hot block would be read. `configure` gives the head
-/// start's mode, session ceiling and whether it adapts, for the server found (planning has connections
-/// of its own: the CLI gives it half of the run's ceiling).
+/// start's mode, session ceiling and whether it adapts, for the server found (the CLI gives it half of
+/// the run's ceiling); it reads with no more sessions than the full plan's leave of pghydrate's half of
+/// the free connection slots ([`crate::catalog::plan_hot_phase`]).
 ///
 /// The head start fills planning time and no more: when the full plan is made it starts no new range,
 /// and the statements it has sent finish (a block it began is not read twice). What it did not reach
@@ -182,7 +183,7 @@ pub async fn plan_with_head_start(
         plan
     };
     let head = async {
-        let hot = match crate::catalog::plan_hot_phase(spec, plan_opts).await {
+        let (hot, connections) = match crate::catalog::plan_hot_phase(spec, plan_opts).await {
             Ok(Some(p)) => p,
             Ok(None) => return None,
             Err(e) => {
@@ -197,8 +198,9 @@ pub async fn plan_with_head_start(
         let (mode, sessions, adaptive) = configure(&hot.server);
         let mut opts = warm_opts.clone();
         opts.mode = mode;
-        opts.sessions = sessions.max(1);
-        opts.adaptive = adaptive;
+        // Within what the full plan's sessions leave of pghydrate's share of the connection slots.
+        opts.sessions = sessions.clamp(1, connections);
+        opts.adaptive = adaptive && opts.sessions > 1;
         opts.drain = Some(planned.clone());
         let started = Instant::now();
         let ranges = hot.ranges.clone();

@@ -84,6 +84,11 @@ async fn a_run_writes_nothing(major: u32) {
 async fn sessions_are_named_and_capped_by_max_connections() {
     let cluster = Cluster::start(15, &["max_connections = 20"]);
     cluster.load_sample("app", 2, None).await;
+    // A captured hot set: its head start and planning share the same half of the free slots.
+    cluster.client("postgres").await.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
+    cluster.client("app").await.batch_execute("SELECT count(*) FROM customers").await.unwrap();
+    let (code, out, err) = cli(&["capture", &cluster.superuser_url("postgres")], cluster.dir());
+    assert_eq!(code, 0, "capture: {out}\n{err}");
     let monitor = cluster.client("postgres").await;
     let done = Arc::new(AtomicBool::new(false));
     let seen: Arc<Mutex<BTreeMap<String, i64>>> = Arc::default();
