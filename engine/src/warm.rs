@@ -529,9 +529,12 @@ impl Shared {
         }
     }
 
+    /// Whether to start nothing new: the deadline's margin reached, a stop or a drain asked (a session
+    /// being reopened gives up too; its range stays pending).
     fn deadline_near(&self) -> bool {
         self.time_left().is_some_and(|left| left <= self.opts.margin)
             || self.opts.stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed))
+            || self.opts.drain.as_ref().is_some_and(|s| s.load(Ordering::Relaxed))
     }
 
     /// The next task to run: the first ready one, preferring one in `current` (the worker's session's
@@ -705,11 +708,7 @@ async fn worker(id: usize, s: Arc<Shared>) {
     let mut session: Option<Session> = None;
     loop {
         if s.deadline_near() {
-            debug!(session = id, "deadline near or stop asked: starting no new range");
-            break;
-        }
-        if s.opts.drain.as_ref().is_some_and(|d| d.load(Ordering::Relaxed)) {
-            debug!(session = id, "drain asked: starting no new range");
+            debug!(session = id, "deadline near, stop or drain asked: starting no new range");
             break;
         }
         if id >= s.active.load(Ordering::Relaxed) {
@@ -851,6 +850,7 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, NotO
                 tokio::select! {
                     _ = tokio::time::sleep(s.until_deadline_near(backoff)) => {}
                     _ = stop_asked(s.opts.stop.as_deref()) => return Err(NotOpened::Stopped),
+                    _ = stop_asked(s.opts.drain.as_deref()) => return Err(NotOpened::Stopped),
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }

@@ -914,3 +914,50 @@ async fn adaptive_sessions_read_everything_within_their_ceiling() {
     assert!(r.summary().contains(&format!("sessions adapted {start}")), "{}", r.summary());
     assert_all_blocks_buffered(&cluster, &r).await;
 }
+
+/// A drain (how a head start ends once planning ends) starts no new range but lets the statements
+/// under way finish: the range taken when the drain was asked is read and counted (a stop would have
+/// cancelled it, and its blocks would be read again later), the rest stays pending, and outcomes and
+/// pending still partition the plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_finishes_the_ranges_under_way_and_leaves_the_rest() {
+    use pghydrate::plan::BlockRange;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let spec = cluster.superuser_spec();
+    let mut o = plan_opts(&["app"]);
+    o.range_blocks = 16;
+    let plan = make_plan(&spec, &o).await.unwrap();
+    let drain = Arc::new(AtomicBool::new(false));
+    let under_way: Arc<Mutex<Option<BlockRange>>> = Arc::default();
+    let mut opts = pghydrate_tests::run_opts(2, Mode::Buffer).warm;
+    opts.drain = Some(drain.clone());
+    let (d, u, taken) = (drain.clone(), under_way.clone(), Arc::new(AtomicU32::new(0)));
+    opts.before_range = Some(RangeHook(Arc::new(move |_, range| {
+        if taken.fetch_add(1, Ordering::SeqCst) == 10 {
+            *u.lock().unwrap() = Some(*range);
+            d.store(true, Ordering::SeqCst);
+        }
+    })));
+    let ranges = plan.ranges.clone();
+    let plan = Arc::new(plan);
+    let warmed =
+        pghydrate::warm::warm(&spec, plan.clone(), ranges.clone(), &opts, Arc::new(Counters::default())).await.unwrap();
+    let r = under_way.lock().unwrap().expect("the drain was asked");
+    let read = |x: &BlockRange| {
+        warmed.outcomes.iter().any(|o| {
+            matches!(o.result, pghydrate::warm::RangeResult::Warmed { .. })
+                && o.range.fork == x.fork
+                && o.range.first <= x.first
+                && x.last <= o.range.last
+        })
+    };
+    assert!(read(&r), "the range under way when the drain was asked was read: {r:?}");
+    assert!(!warmed.pending.is_empty(), "the ranges not yet taken stay pending");
+    let mut st = RunState::new((*plan).clone(), Mode::Buffer, 2, Maintenance::None);
+    st.outcomes = warmed.outcomes;
+    st.pending = warmed.pending;
+    assert_outcomes_partition_plan(&st);
+}
