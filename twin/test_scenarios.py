@@ -453,9 +453,9 @@ def test_an_instance_deleted_while_waiting_ends_with_a_named_error(twin):
 @pytest.fixture(scope="module")
 def slow_twin():
     """A twin whose PostgreSQL gets 1% of one CPU (a real slowdown, cgroup): warming its 130 MiB table
-    takes several seconds per range, against calls that may work for only 7 s (margin 5 s)."""
+    takes several seconds per range, against calls that may work for only 7 s (12 s timeout, margin 5 s)."""
     # Whole 64 MiB ranges per statement (no 8 MiB steps): statements long enough for the deadline to cut.
-    with Twin.start(lambda_timeout=7, margin=5, mode="buffer", pg_conf={"shared_buffers": "512MB"},
+    with Twin.start(lambda_timeout=12, margin=5, mode="buffer", pg_conf={"shared_buffers": "512MB"},
                     env={"PGHYDRATE_STEP_BLOCKS": "8192"}) as t:
         t.pg.psql("CREATE DATABASE big")
         t.pg.psql("CREATE TABLE big AS SELECT g AS id, md5(g::text) AS payload FROM generate_series(1, 1500000) g;"
