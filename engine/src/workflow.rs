@@ -804,11 +804,17 @@ pub fn warm_sizing(
     (WarmSizing { calls, sessions_per_call: (total / calls).min(per_call) }, note)
 }
 
+/// The least time before its margin a Plan call needs to give a captured hot set a head start (AWS: the
+/// function's 900 s timeout less a 60 s margin; the twin: 25 s less 10, on; its slowed server: 12 s less 5, off).
+pub const HEAD_START_MIN_TIME: Duration = Duration::from_secs(10);
+
 /// Plans for the workflow: the items and their summary. With `head_start` (the Plan call's warm
 /// options: its deadline, margin and timeouts), the captured hot sets are read while the rest is
 /// planned ([`crate::run::plan_with_head_start`], with at most one call's sessions, and no more than
 /// half the instance's); what the head start read is left out of the items and counted in the
-/// summary's `head_start`.
+/// summary's `head_start`. Not when the options leave less than [`HEAD_START_MIN_TIME`] before the
+/// margin: the head start's lookups (a session per database) run beside planning's, and a short call's
+/// time is planning's.
 pub async fn plan_items(
     spec: &ConnectionSpec,
     run: &RunConfig,
@@ -821,6 +827,17 @@ pub async fn plan_items(
         _ => Mode::Read,
     };
     let plan_opts = run.plan_options(3)?;
+    let head_start = head_start.filter(|o| {
+        let usable = o.deadline.map(|d| d.saturating_duration_since(Instant::now()).saturating_sub(o.margin));
+        let enough = usable.is_none_or(|u| u >= HEAD_START_MIN_TIME);
+        if !enough {
+            tracing::info!(
+                usable_seconds = usable.unwrap_or_default().as_secs_f64(),
+                "no head start: this call's time is planning's"
+            );
+        }
+        enough
+    });
     let (mut plan, head) = match head_start {
         Some(opts) => {
             crate::run::plan_with_head_start(spec, &plan_opts, opts, |server| {

@@ -28,10 +28,6 @@ struct Response {
     distributed: Option<S3Location>,
 }
 
-/// The least time before its margin a Plan call needs to give a captured hot set a head start (AWS: the
-/// function's 900 s timeout less a 60 s margin; the twin's slowed server: 7 s less 5).
-const HEAD_START_MIN_TIME: std::time::Duration = std::time::Duration::from_secs(30);
-
 struct Deps {
     aws: Aws,
     db: DbConfig,
@@ -44,21 +40,12 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let r = event.payload;
     let spec = deps.db.connect_spec(&deps.aws, &r.run, &r.endpoint).await?;
     // A captured hot set is read while the rest is planned (a head start, ended when the plan is made,
-    // or by this call's deadline less its margin); its sessions and mode are set from the server. Its
-    // lookups (a session per database) run beside planning's: a call with little time before its margin
-    // only plans, so that planning keeps all of it.
-    let usable = until.saturating_duration_since(std::time::Instant::now()).saturating_sub(deps.db.margin);
-    let head = (usable >= HEAD_START_MIN_TIME).then(|| {
-        let mut head = call_options(until, deps.db.margin, 1);
-        head.lock_timeout = deps.db.lock_timeout;
-        head.reconnect_for = deps.db.reconnect_for;
-        head.step_blocks = deps.db.step_blocks;
-        head
-    });
-    if head.is_none() {
-        tracing::info!(usable_seconds = usable.as_secs_f64(), "no head start: this call's time is planning's");
-    }
-    let (summary, items) = plan_items(&spec, &r.run, head.as_ref()).await?;
+    // or by this call's deadline less its margin); its sessions and mode are set from the server.
+    let mut head = call_options(until, deps.db.margin, 1);
+    head.lock_timeout = deps.db.lock_timeout;
+    head.reconnect_for = deps.db.reconnect_for;
+    head.step_blocks = deps.db.step_blocks;
+    let (summary, items) = plan_items(&spec, &r.run, Some(&head)).await?;
     tracing::info!(instance = %r.target.instance, items = items.len(), planned_bytes = summary.planned_bytes,
                    head_start_bytes = summary.head_start.as_ref().map_or(0, |h| h.warmed_bytes), "planned");
     if fits_inline(&items) {
