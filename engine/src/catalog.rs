@@ -410,9 +410,9 @@ fn planned_forks(
 /// A head start's plan: the captured hot sets' ranges alone, found without listing every relation of a
 /// database (only the relations its hot set names, by oid), so that they can be read while
 /// [`make_plan`] lists everything. The full plan's filters apply (database and relation patterns,
-/// privileges, pg_prewarm present; nothing is created here), and no lock is waited for. None when no
-/// database has a usable hot set, or with `--first` patterns (their tables come before the hot set),
-/// or without hot sets (`ignore_hot_set`). Shared catalogs are left to the full plan.
+/// privileges; pg_prewarm is created where the full plan would create it), and no lock is waited for.
+/// None when no database has a usable hot set, or with `--first` patterns (their tables come before
+/// the hot set), or without hot sets (`ignore_hot_set`). Shared catalogs are left to the full plan.
 ///
 /// The head start runs beside the full plan, and pghydrate takes at most half the server's free
 /// connection slots in all ([`crate::run::effective_sessions`]): the full plan's sessions (databases
@@ -424,7 +424,15 @@ pub async fn plan_hot_phase(spec: &ConnectionSpec, opts: &PlanOptions) -> Result
     if opts.ignore_hot_set || !opts.first.is_empty() || opts.range_blocks == 0 {
         return Ok(None);
     }
-    let opts = PlanOptions { create_extension: false, dry_run: false, lock_attempts: 0, ..opts.clone() };
+    // pg_prewarm is created here as the full plan would (`create_extension`): a database restored from a
+    // source that never had it (the usual first restore) would otherwise have no head start, or one
+    // only when the full plan's CREATE EXTENSION happened to come first.
+    let opts = PlanOptions {
+        create_extension: opts.create_extension && !opts.dry_run,
+        dry_run: false,
+        lock_attempts: 0,
+        ..opts.clone()
+    };
     let (client, _) = connect_any(spec).await?;
     let server = server_info(spec, &client).await?;
     let dbs = list_databases(spec, &client).await?;
@@ -627,6 +635,12 @@ async fn ensure_extension(
         bounded(spec, client, bound, statement).await.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))?
     {
         let schema: String = row.get(0);
+        // Created by another session between the two lookups (the head start and the full plan, or two
+        // runs, planning the same database at once): its function is there now.
+        let found = bounded(spec, client, bound, prewarm_call(client)).await;
+        if let Some((schema, _)) = found.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))? {
+            return Ok((Some(schema), None, None));
+        }
         return Ok((
             None,
             Some(format!(
@@ -675,6 +689,15 @@ async fn ensure_extension(
             }
         }
         Err(Failed::Server(e)) => {
+            // Another session may have created it at the same time (the head start and the full plan
+            // plan the same database at once, or two runs): its CREATE won, ours failed on the
+            // catalog's unique name. The extension's own function is what counts.
+            let found = bounded(spec, client, bound, prewarm_call(client)).await;
+            if let Some((schema, _)) = found.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))? {
+                info!(database = %db, schema = %schema, error = %describe(&e),
+                      "pg_prewarm was created by another session at the same time");
+                return Ok((Some(schema), None, None));
+            }
             warn!(database = %db, error = %describe(&e), "pg_prewarm missing and not creatable");
             Ok((None, Some(format!("pg_prewarm is not installed and could not be created: {}", describe(&e))), None))
         }

@@ -629,12 +629,22 @@ async fn the_plan_call_reads_the_hot_set_while_it_plans_and_no_item_reads_it_aga
     let work = tmp(&cluster);
     let (code, out, err) = cli(&["capture", &cluster.superuser_url("postgres")], &work);
     assert_eq!(code, 0, "capture failed: {out}\n{err}");
+    // The source had no pg_prewarm (the usual first restore): the run creates it, and the head start
+    // must not wait for the full plan to have done so.
+    app.batch_execute("DROP EXTENSION pg_prewarm").await.unwrap();
     drop(app);
     cluster.restart();
     let app = cluster.client("app").await;
-    app.batch_execute("SELECT pg_stat_reset()").await.unwrap();
-
     let spec = cluster.superuser_spec().with_timeouts(Duration::from_secs(10), Duration::from_secs(300));
+    // The head start's own plan, alone (in the run below, whether the full plan's CREATE EXTENSION
+    // comes first is timing): it creates pg_prewarm as the full plan would, and plans the hot set.
+    let (alone, _) = pghydrate::catalog::plan_hot_phase(&spec, &pghydrate_tests::plan_opts(&["app"]))
+        .await
+        .unwrap()
+        .expect("a head start on a database without pg_prewarm");
+    assert!(alone.ranges.iter().any(|r| alone.forks[r.fork as usize].oid == hot), "{:?}", alone.databases);
+    app.batch_execute("DROP EXTENSION pg_prewarm; SELECT pg_stat_reset()").await.unwrap();
+
     let trigger = pghydrate::events::parse_input(
         &serde_json::json!({"instance": "local", "mode": "buffer", "maintenance": "none", "include_databases": ["app"]}),
         None,

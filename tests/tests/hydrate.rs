@@ -739,6 +739,63 @@ async fn databases_planned_at_once_plan_what_one_at_a_time_plans(major: u32) {
     assert!(one.forks.iter().any(|f| f.database == "tenant_11" && f.name == "orders"));
 }
 
+/// Plans made at the same time on databases without pg_prewarm (a run's head start and its full plan
+/// do this on every first restore; so do two runs) each create it or find it created: every database
+/// is planned by every plan, none is skipped because another session's CREATE EXTENSION came first
+/// (between its two lookups, or before its own CREATE could commit).
+async fn plans_at_the_same_time_share_one_create_extension(major: u32) {
+    let cluster = Cluster::start(major, &[]);
+    let admin = cluster.client("postgres").await;
+    let names: Vec<String> = (0..8).map(|i| format!("fresh_{i}")).collect();
+    for name in &names {
+        admin.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
+        let db = cluster.client(name).await;
+        db.batch_execute("CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t SELECT generate_series(1, 1000)")
+            .await
+            .unwrap();
+    }
+    drop(admin);
+    let spec = cluster.superuser_spec();
+    let include: Vec<&str> = names.iter().map(String::as_str).collect();
+    let opts = PlanOptions { databases_at_once: 8, ..pghydrate_tests::plan_opts(&include) };
+    // In half the databases another session's CREATE EXTENSION is under way (not yet committed) while
+    // the plans look: theirs waits for it, then fails on the extension's unique name.
+    let mut creating = Vec::new();
+    for name in &names[..4] {
+        let db = cluster.client(name).await;
+        db.batch_execute("BEGIN; CREATE EXTENSION pg_prewarm").await.unwrap();
+        creating.push(db);
+    }
+    let commit = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        for db in &creating {
+            db.batch_execute("COMMIT").await.unwrap();
+        }
+    };
+    let plan = || make_plan(&spec, &opts);
+    let (plans, ()) = tokio::join!(async { tokio::join!(plan(), plan(), plan(), plan(), plan()) }, commit);
+    for plan in [plans.0, plans.1, plans.2, plans.3, plans.4] {
+        let plan = plan.unwrap();
+        let planned: Vec<_> = plan
+            .databases
+            .iter()
+            .filter(|d| d.outcome != DatabaseOutcome::Excluded)
+            .map(|d| (d.name.clone(), d.outcome, d.reason.clone()))
+            .collect();
+        assert_eq!(planned.len(), names.len(), "{planned:?}");
+        for d in &planned {
+            assert_eq!(d.1, DatabaseOutcome::Planned, "skipped although pg_prewarm could be created: {d:?}");
+        }
+        assert!(plan.forks.iter().all(|f| f.planned_skip.is_none()), "a fork planned skipped");
+    }
+    for name in &names {
+        let db = cluster.client(name).await;
+        let n: i64 =
+            db.query_one("SELECT count(*) FROM pg_extension WHERE extname = 'pg_prewarm'", &[]).await.unwrap().get(0);
+        assert_eq!(n, 1, "{name}");
+    }
+}
+
 pghydrate_tests::on_every_version!(
     every_block_is_read,
     permissions_are_reported_exactly,
@@ -749,4 +806,7 @@ pghydrate_tests::on_every_version!(
     workflow_items_continue_until_done
 );
 
-pghydrate_tests::on_oldest_and_newest!(databases_planned_at_once_plan_what_one_at_a_time_plans);
+pghydrate_tests::on_oldest_and_newest!(
+    databases_planned_at_once_plan_what_one_at_a_time_plans,
+    plans_at_the_same_time_share_one_create_extension
+);
