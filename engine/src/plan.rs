@@ -116,6 +116,9 @@ pub enum SkipReason {
     ConnectionLost,
     /// Any other server error (its message is in the detail).
     Error,
+    /// A work item's calls read nothing, several in a row: each call's time was used up before a
+    /// range could be read (a server too slow for the Warm function's timeout).
+    NoProgress,
 }
 
 impl SkipReason {

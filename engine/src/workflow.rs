@@ -82,6 +82,22 @@ pub struct WorkItem {
     /// call without progress halves them, down to one). None: [`crate::adaptive::START`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_sessions: Option<u32>,
+    /// Calls in a row that changed nothing: no block read, skipped or vanished, no range cut smaller.
+    /// At [`MAX_CALLS_WITHOUT_PROGRESS`] the item's pending ranges are reported skipped (`no_progress`)
+    /// instead of being handed to yet another call that would do the same, until the execution's
+    /// history is full.
+    #[serde(default, skip_serializing_if = "no_calls")]
+    pub calls_without_progress: u32,
+}
+
+/// Calls in a row without progress after which an item gives up its pending ranges. A call can end
+/// without reading anything for a passing reason (a session lost at the deadline); six in a row
+/// (with the session ceiling halved after each, down to one) means each call's window is used up
+/// before a range is read: by connecting, on a server too slow for the call's time.
+pub const MAX_CALLS_WITHOUT_PROGRESS: u32 = 6;
+
+fn no_calls(n: &u32) -> bool {
+    *n == 0
 }
 
 fn one_session() -> u32 {
@@ -194,6 +210,7 @@ impl WorkItem {
             range_blocks: plan.range_blocks,
             sessions: 1,
             start_sessions: None,
+            calls_without_progress: 0,
         }
     }
 
@@ -226,6 +243,8 @@ impl WorkItem {
         }
         let plan = Arc::new(self.as_plan());
         let ranges = std::mem::take(&mut self.pending);
+        let mut pending_before = ranges.clone();
+        let window = opts.deadline.map(|d| d.saturating_duration_since(Instant::now()).saturating_sub(opts.margin));
         let opts = WarmOptions {
             mode: self.mode,
             start_sessions: self.start_sessions.or(opts.start_sessions),
@@ -237,6 +256,17 @@ impl WorkItem {
         self.pending = warmed.pending;
         if opts.adaptive {
             self.start_sessions = next_start(&warmed.levels, self.done != before, self.pending.is_empty());
+        }
+        let mut pending_after = self.pending.clone();
+        pending_before.sort_unstable_by_key(|r| (r.fork, r.first, r.last));
+        pending_after.sort_unstable_by_key(|r| (r.fork, r.first, r.last));
+        if self.done != before || pending_before != pending_after {
+            self.calls_without_progress = 0;
+        } else if warmed.unreachable.is_empty() {
+            self.calls_without_progress += 1;
+            if self.calls_without_progress >= MAX_CALLS_WITHOUT_PROGRESS {
+                self.give_up_pending(window);
+            }
         }
         // The item's database could not be reached for the whole reconnect window: the call fails as
         // ConnectionFailed, which the state machine retries with backoff (a failover or a reboot). The
@@ -272,6 +302,40 @@ impl WorkItem {
         self.forks = plan.forks;
         self.pending.extend(added);
         self.locked.clear();
+    }
+
+    /// After [`MAX_CALLS_WITHOUT_PROGRESS`] calls that changed nothing: the pending ranges are reported
+    /// skipped, with why, so that the run ends and its report names them (each further call would
+    /// have done the same until the execution's history limit).
+    fn give_up_pending(&mut self, window: Option<Duration>) {
+        let window = match window {
+            Some(w) => format!("{:.1} s", w.as_secs_f64()),
+            None => "no deadline".into(),
+        };
+        let detail = format!(
+            "no block read in {} calls in a row (each call's time before its margin: {window}): opening a \
+             session and the first statement took all of it; the server answers too slowly for the Warm \
+             function's timeout",
+            self.calls_without_progress
+        );
+        tracing::warn!(item = self.id, database = %self.database, calls = self.calls_without_progress, window = %window,
+              "no progress call after call: the item's pending ranges are reported skipped");
+        let outcomes: Vec<RangeOutcome> = std::mem::take(&mut self.pending)
+            .into_iter()
+            .map(|range| RangeOutcome {
+                range,
+                result: RangeResult::Skipped(crate::plan::Skip {
+                    reason: crate::plan::SkipReason::NoProgress,
+                    detail: detail.clone(),
+                    fix: Some(
+                        "raise the Warm function's timeout (or lower PGHYDRATE_MARGIN_SECONDS), then run again: \
+                         the continuation reads only what is left"
+                            .into(),
+                    ),
+                }),
+            })
+            .collect();
+        self.absorb(&outcomes);
     }
 
     fn absorb(&mut self, outcomes: &[RangeOutcome]) {

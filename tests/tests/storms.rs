@@ -670,6 +670,70 @@ async fn a_warm_call_whose_database_stays_unreachable_fails_retryably() {
     assert!(e.to_string().contains("\"app\""), "{e}");
 }
 
+/// Warm calls whose whole window goes before a range is read (on the twin: a server slowed to 1% of a
+/// CPU, where connecting and the first statement took a 2 s window). The session's first statement is
+/// held (a half-open connection) until the call's deadline cuts it; each call ends as it began. Before,
+/// the range went back whole every time and the item was handed to call after call, forever (until
+/// the execution's history limit). Now the item gives up after [`MAX_CALLS_WITHOUT_PROGRESS`] such
+/// calls, and not before: its pending ranges are reported skipped, `no_progress`, with the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_calls_that_never_read_end_the_item_with_a_named_skip() {
+    use pghydrate::workflow::{call_options, plan_items, Defaults, RunConfig, WorkItem, MAX_CALLS_WITHOUT_PROGRESS};
+    let cluster = Cluster::start(15, &[]);
+    cluster.load_sample("app", 1, None).await;
+    let trigger = pghydrate::events::parse_input(
+        &serde_json::json!({"instance": "local", "mode": "buffer", "maintenance": "none", "include_databases": ["app"]}),
+        None,
+        None,
+    )
+    .unwrap();
+    let defaults = Defaults::from_env(|_| None).unwrap();
+    let run = RunConfig::new("exec-stall", trigger, &defaults);
+    let (summary, items) = plan_items(&cluster.superuser_spec(), &run, None).await.unwrap();
+    // Every connection is held once its client has sent 1,500 bytes, before the session's pg_prewarm
+    // lookup (at 2,000 bytes the server's log showed the session open, its settings made, the lookup
+    // never arriving): no range is ever read.
+    // Calls of 3 s before a 1 s margin; connect timeout 10 s (as on AWS), longer than a call.
+    let proxy = BlackholeProxy::start(cluster.port, 1500, u32::MAX).await;
+    let spec = via_proxy(proxy.port).with_timeouts(Duration::from_secs(10), Duration::from_secs(300));
+    let (mut skipped, mut calls) = (0, 0);
+    for item in items {
+        let mut text = serde_json::to_string(&item).unwrap();
+        let item = loop {
+            let mut item: WorkItem = serde_json::from_str(&text).unwrap();
+            let opts = call_options(Instant::now() + Duration::from_secs(4), Duration::from_secs(1), item.sessions);
+            let took = Instant::now();
+            tokio::time::timeout(Duration::from_secs(30), item.advance(&spec, &opts))
+                .await
+                .expect("a call ran past its deadline")
+                .unwrap();
+            assert!(took.elapsed() < Duration::from_secs(5), "the call ran past its deadline: {:?}", took.elapsed());
+            text = serde_json::to_string(&item).unwrap();
+            if item.done() {
+                break item;
+            }
+            assert!(item.calls < 2 * MAX_CALLS_WITHOUT_PROGRESS, "handed to call after call: {:?}", item.summary());
+        };
+        assert_eq!(
+            item.calls,
+            MAX_CALLS_WITHOUT_PROGRESS,
+            "given up after exactly that many calls without progress: {:?}",
+            item.summary()
+        );
+        let s = item.summary();
+        assert_eq!((s.warmed_bytes, s.pending_bytes), (0, 0), "{s:?}");
+        let reasons: Vec<&String> = item.skipped.values().collect();
+        assert!(
+            !reasons.is_empty() && reasons.iter().all(|r| r.starts_with("NoProgress: no block read in 6 calls")),
+            "{reasons:?}"
+        );
+        skipped += s.skipped_bytes;
+        calls += item.calls;
+    }
+    assert!(proxy.held() >= calls, "each call's first statement was held: {} of {calls}", proxy.held());
+    assert_eq!(skipped, summary.planned_bytes, "every planned byte is reported skipped");
+}
+
 /// A migration holding sixty tables ACCESS EXCLUSIVE while the workflow plans. Planning spends at most
 /// `lock_attempts` lock waits in all (here 3 x 2 s), not per table: before, it waited 3 x 2 s for each
 /// table, 6 minutes here, and with a thousand tables a Plan Lambda ran past its 15 minutes and failed.
