@@ -524,6 +524,82 @@ async fn capture_says_what_it_needs_and_a_replica_replays_the_primarys_capture()
     assert!(position(hot).unwrap() < position(cold).unwrap(), "hot is read before cold on the replica");
 }
 
+/// The network is cut again and again while the head start reads (every connection through a proxy
+/// is dropped after 20 KB from its client: planning's sessions get through, reading sessions are cut
+/// every hundred or so ranges). The head start's lost ranges are read again or left to the run, and
+/// the run ends complete: every fork's blocks all warmed, each range counted once (the outcomes
+/// partition the plan), every block in shared_buffers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_cuts_during_the_head_start_lose_nothing_and_count_nothing_twice() {
+    use pghydrate::report::{self, ForkOutcome, RunStatus};
+    use pghydrate::run::{plan_with_head_start, RunState};
+    use pghydrate::warm::{Counters, Mode};
+    use pghydrate_tests::{assert_all_blocks_buffered, assert_outcomes_partition_plan, test_tls, CuttingProxy};
+    use std::time::Duration;
+    let cluster = Cluster::start(15, &["shared_buffers = 64MB"]);
+    cluster.load_sample("app", 1, None).await;
+    let admin = cluster.client("postgres").await;
+    admin.batch_execute("CREATE EXTENSION pg_buffercache").await.unwrap();
+    let app = cluster.client("app").await;
+    app.batch_execute("CREATE EXTENSION pg_buffercache; CREATE EXTENSION pg_prewarm").await.unwrap();
+    drop(app);
+    cluster.restart();
+    // The application's working set: every table and index of the sample (about 21 MB).
+    let app = cluster.client("app").await;
+    app.batch_execute(
+        "SELECT count(pg_prewarm(oid)) FROM pg_class
+          WHERE relkind IN ('r', 'i', 't', 'm') AND relpersistence = 'p' AND relnamespace <> 'pg_catalog'::regnamespace",
+    )
+    .await
+    .unwrap();
+    let work = tmp(&cluster);
+    let (code, out, err) = cli(&["capture", &cluster.superuser_url("postgres")], &work);
+    assert_eq!(code, 0, "capture failed: {out}\n{err}");
+    drop(app);
+    drop(admin);
+    cluster.restart();
+
+    let proxy = CuttingProxy::start(cluster.port, 20_000).await;
+    let spec = pghydrate::ConnectionSpec::parse(
+        Some(&format!(
+            "postgresql://postgres:{}@127.0.0.1:{}/postgres?sslmode=verify-full&sslrootcert={}",
+            pghydrate_tests::SUPERUSER_PASSWORD,
+            proxy.port,
+            test_tls().ca.display()
+        )),
+        |_| None,
+    )
+    .unwrap();
+    let opts = pghydrate_tests::run_opts(2, Mode::Buffer);
+    // 32 KiB ranges: a thousand statements, so that reading sessions reach the cut.
+    let plan_opts = pghydrate::catalog::PlanOptions { range_blocks: 4, ..pghydrate_tests::plan_opts(&["app"]) };
+    // Planning waits for a migration's lock for 3 s: the head start reads meanwhile.
+    let migration = hold_lock(&cluster, "app", "tiny", 3.0).await;
+    let (plan, head) = plan_with_head_start(&spec, &plan_opts, &opts.warm, |_| (Mode::Buffer, 2, false)).await.unwrap();
+    migration.await.unwrap();
+    let cuts_while_planning = proxy.cuts();
+    let head = head.expect("a head start");
+    assert!(cuts_while_planning >= 1, "no cut while the head start read: the test did not test");
+    let mut st = RunState::new(plan, Mode::Buffer, 2, opts.maintenance);
+    let taken = st.absorb_head_start(head);
+    assert!(taken > 0);
+    let run = st.advance(&spec, &opts, std::sync::Arc::new(Counters::default()));
+    tokio::time::timeout(Duration::from_secs(300), run).await.expect("run hung").unwrap();
+    eprintln!(
+        "measured: {} cuts while planning and the head start read ({taken} bytes taken in), {} in all; {} ranges",
+        cuts_while_planning,
+        proxy.cuts(),
+        st.plan.ranges.len()
+    );
+    assert_outcomes_partition_plan(&st);
+    let r = report::build(&st);
+    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete), "{} cuts", proxy.cuts());
+    for x in r.relations.iter().filter(|x| x.outcome != ForkOutcome::Excluded) {
+        assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
+    }
+    assert_all_blocks_buffered(&cluster, &r).await;
+}
+
 pghydrate_tests::on_oldest_and_newest!(a_captured_hot_set_is_read_first_and_every_block_still_once);
 
 /// What the scheduled capture relies on: a server up for less than the minimum uptime captures nothing
