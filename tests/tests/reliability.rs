@@ -82,7 +82,7 @@ async fn a_run_writes_nothing(major: u32) {
 /// instead of every session following the queue's head into every database. 60 databases, `pghydrate
 /// run` with its default sessions: the connections it opens (the server's own log counts them) stay
 /// near two per database, planning included, where every session used to enter every database
-/// (measured on 300 databases: 5,950 connections and 25.5 s before, 650 and 5.6 s after;
+/// (measured on 300 databases, --no-hot-set: 5,940 connections and 24.6 s before, 650 and 5.8 s after;
 /// docs/benchmark.md). Every block is still read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_spread_over_many_small_databases_one_connection_each() {
