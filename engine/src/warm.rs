@@ -639,7 +639,6 @@ impl Shared {
         q.in_flight == 0 && q.tasks.iter().all(|t| q.unreachable.contains_key(&self.plan.fork(&t.range).database))
     }
 
-    /// A whole small fork, ready, never failed: it may be read in a batch.
     /// A whole fork smaller than one planned range: the plan's last phase, small forks grouped by
     /// database (and a hot set's small relations).
     fn small_whole(&self, t: &Task) -> bool {
@@ -647,6 +646,7 @@ impl Shared {
         t.range.first == 0 && t.range.last + 1 == f.blocks && f.blocks < self.plan.range_blocks.max(2)
     }
 
+    /// A whole small fork, ready, never failed: it may be read in a batch.
     fn batchable(&self, t: &Task, now: Instant) -> bool {
         let f = self.plan.fork(&t.range);
         !t.alone
