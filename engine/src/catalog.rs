@@ -622,8 +622,12 @@ async fn ensure_extension(
     standby: bool,
 ) -> Result<(Option<String>, Option<String>, Option<String>)> {
     let bound = catalog_bound(spec);
-    let found = bounded(spec, client, bound, prewarm_call(client)).await;
-    if let Some((schema, _)) = found.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))? {
+    // The schema of the extension's own pg_prewarm function, if it is there now.
+    let prewarm_schema = || async {
+        let found = bounded(spec, client, bound, prewarm_call(client)).await;
+        Ok::<_, Error>(found.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))?.map(|(schema, _)| schema))
+    };
+    if let Some(schema) = prewarm_schema().await? {
         return Ok((Some(schema), None, None));
     }
     let statement = client.query_opt(
@@ -637,8 +641,7 @@ async fn ensure_extension(
         let schema: String = row.get(0);
         // Created by another session between the two lookups (the head start and the full plan, or two
         // runs, planning the same database at once): its function is there now.
-        let found = bounded(spec, client, bound, prewarm_call(client)).await;
-        if let Some((schema, _)) = found.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))? {
+        if let Some(schema) = prewarm_schema().await? {
             return Ok((Some(schema), None, None));
         }
         return Ok((
@@ -682,9 +685,8 @@ async fn ensure_extension(
     match bounded(spec, client, bound, create).await {
         Ok(()) => {
             info!(database = %db, "created extension pg_prewarm in schema public");
-            let found = bounded(spec, client, bound, prewarm_call(client)).await;
-            match found.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))? {
-                Some((schema, _)) => Ok((Some(schema), None, None)),
+            match prewarm_schema().await? {
+                Some(schema) => Ok((Some(schema), None, None)),
                 None => Ok((None, Some("pg_prewarm was created but its function is not there".into()), None)),
             }
         }
@@ -692,8 +694,7 @@ async fn ensure_extension(
             // Another session may have created it at the same time (the head start and the full plan
             // plan the same database at once, or two runs): its CREATE won, ours failed on the
             // catalog's unique name. The extension's own function is what counts.
-            let found = bounded(spec, client, bound, prewarm_call(client)).await;
-            if let Some((schema, _)) = found.map_err(|f| catalog_error(spec, "finding pg_prewarm", f))? {
+            if let Some(schema) = prewarm_schema().await? {
                 info!(database = %db, schema = %schema, error = %describe(&e),
                       "pg_prewarm was created by another session at the same time");
                 return Ok((Some(schema), None, None));

@@ -104,6 +104,13 @@ impl std::fmt::Debug for RangeHook {
     }
 }
 
+impl WarmOptions {
+    /// With a deadline: the time left now before its margin, when no new range starts.
+    pub fn time_before_margin(&self) -> Option<Duration> {
+        self.deadline.map(|d| d.saturating_duration_since(Instant::now()).saturating_sub(self.margin))
+    }
+}
+
 impl Default for WarmOptions {
     fn default() -> Self {
         WarmOptions {

@@ -244,7 +244,7 @@ impl WorkItem {
         let plan = Arc::new(self.as_plan());
         let ranges = std::mem::take(&mut self.pending);
         let mut pending_before = ranges.clone();
-        let window = opts.deadline.map(|d| d.saturating_duration_since(Instant::now()).saturating_sub(opts.margin));
+        let window = opts.time_before_margin();
         let opts = WarmOptions {
             mode: self.mode,
             start_sessions: self.start_sessions.or(opts.start_sessions),
@@ -892,7 +892,7 @@ pub async fn plan_items(
     };
     let plan_opts = run.plan_options(3)?;
     let head_start = head_start.filter(|o| {
-        let usable = o.deadline.map(|d| d.saturating_duration_since(Instant::now()).saturating_sub(o.margin));
+        let usable = o.time_before_margin();
         let enough = usable.is_none_or(|u| u >= HEAD_START_MIN_TIME);
         if !enough {
             tracing::info!(

@@ -672,6 +672,24 @@ impl BlackholeProxy {
     }
 }
 
+/// What a run that ended well leaves: complete, coverage 1.0, every block of every fork not excluded
+/// warmed, each range counted once (the outcomes partition the plan), and every block in
+/// shared_buffers. `context` goes into the coverage assertion's message. Returns the report.
+pub async fn assert_complete_and_buffered(
+    cluster: &Cluster,
+    st: &pghydrate::run::RunState,
+    context: &str,
+) -> pghydrate::report::Report {
+    assert_outcomes_partition_plan(st);
+    let r = pghydrate::report::build(st);
+    assert_eq!((r.coverage, r.status), (1.0, pghydrate::report::RunStatus::Complete), "{context}");
+    for x in r.relations.iter().filter(|x| x.outcome != ForkOutcome::Excluded) {
+        assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
+    }
+    assert_all_blocks_buffered(cluster, &r).await;
+    r
+}
+
 /// For each warmed fork: every block 0..blocks is in shared_buffers (pg_buffercache), found through
 /// the relation's current file node in its database.
 pub async fn assert_all_blocks_buffered(cluster: &Cluster, r: &pghydrate::report::Report) -> usize {

@@ -531,10 +531,9 @@ async fn capture_says_what_it_needs_and_a_replica_replays_the_primarys_capture()
 /// partition the plan), every block in shared_buffers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn network_cuts_during_the_head_start_lose_nothing_and_count_nothing_twice() {
-    use pghydrate::report::{self, ForkOutcome, RunStatus};
     use pghydrate::run::{plan_with_head_start, RunState};
     use pghydrate::warm::{Counters, Mode};
-    use pghydrate_tests::{assert_all_blocks_buffered, assert_outcomes_partition_plan, test_tls, CuttingProxy};
+    use pghydrate_tests::{assert_complete_and_buffered, test_tls, CuttingProxy};
     use std::time::Duration;
     let cluster = Cluster::start(15, &["shared_buffers = 64MB"]);
     cluster.load_sample("app", 1, None).await;
@@ -591,13 +590,7 @@ async fn network_cuts_during_the_head_start_lose_nothing_and_count_nothing_twice
         proxy.cuts(),
         st.plan.ranges.len()
     );
-    assert_outcomes_partition_plan(&st);
-    let r = report::build(&st);
-    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete), "{} cuts", proxy.cuts());
-    for x in r.relations.iter().filter(|x| x.outcome != ForkOutcome::Excluded) {
-        assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
-    }
-    assert_all_blocks_buffered(&cluster, &r).await;
+    assert_complete_and_buffered(&cluster, &st, &format!("{} cuts", proxy.cuts())).await;
 }
 
 pghydrate_tests::on_oldest_and_newest!(a_captured_hot_set_is_read_first_and_every_block_still_once);

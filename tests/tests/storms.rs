@@ -16,8 +16,8 @@ use pghydrate::run::{RunOptions, RunState};
 use pghydrate::warm::{Counters, Mode, RangeHook};
 use pghydrate::ConnectionSpec;
 use pghydrate_tests::{
-    assert_all_blocks_buffered, assert_outcomes_partition_plan, pghydrate_bin, plan_opts, test_tls, BlackholeProxy,
-    Cluster, SUPERUSER_PASSWORD,
+    assert_all_blocks_buffered, assert_complete_and_buffered, assert_outcomes_partition_plan, pghydrate_bin, plan_opts,
+    test_tls, BlackholeProxy, Cluster, SUPERUSER_PASSWORD,
 };
 
 /// [`pghydrate_tests::run_opts`] in buffer mode, with a 4 s margin.
@@ -78,13 +78,7 @@ async fn a_half_open_connection_is_noticed_and_the_run_ends_complete(major: u32)
     opts.warm.statement_timeout = Duration::from_secs(3);
     let took = advance_within(&via_proxy(proxy.port), &mut st, &opts, Duration::from_secs(90)).await;
     assert_eq!(proxy.held(), 2, "both holds must have happened");
-    assert_outcomes_partition_plan(&st);
-    let r = report::build(&st);
-    assert_eq!((r.coverage, r.status), (1.0, RunStatus::Complete));
-    for x in r.relations.iter().filter(|x| x.outcome != ForkOutcome::Excluded) {
-        assert_eq!(x.warmed_blocks, x.blocks, "{x:?}");
-    }
-    assert_all_blocks_buffered(&cluster, &r).await;
+    assert_complete_and_buffered(&cluster, &st, "held sessions given up").await;
     eprintln!(
         "measured: PostgreSQL {major}: 2 half-open sessions noticed, run complete in {:.1} s (statement_timeout 3 s)",
         took.as_secs_f64()
