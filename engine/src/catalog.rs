@@ -56,7 +56,7 @@ pub const DATABASES_AT_ONCE: usize = 8;
 /// customers cannot connect to.
 pub const DEFAULT_EXCLUDED_DATABASES: &[&str] = &["rdsadmin"];
 
-pub(crate) async fn connect_any(spec: &ConnectionSpec) -> Result<(Client, String)> {
+pub(crate) async fn connect_any(spec: &ConnectionSpec) -> Result<(crate::connect::Session, String)> {
     let first = spec.initial_database().to_string();
     match spec.connect(&first).await {
         Ok(c) => Ok((c, first)),

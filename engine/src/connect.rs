@@ -427,10 +427,10 @@ impl ConnectionSpec {
     }
 
     /// Opens one session to `database`. The connection task runs on the current runtime and ends when
-    /// the client is dropped. The session's search path is pinned before its first query (see
+    /// the session is dropped (see [`Session`]). The session's search path is pinned before its first query (see
     /// [`crate::sql`]): the startup option comes after any the user gave, so it wins, and the first
     /// statement sets it again in case a pooler dropped the startup option.
-    pub async fn connect(&self, database: &str) -> Result<Client> {
+    pub async fn connect(&self, database: &str) -> Result<Session> {
         let mut config = self.config.clone();
         config.dbname(database);
         config.application_name(&self.application_name);
@@ -467,14 +467,32 @@ impl ConnectionSpec {
         }
     }
 
-    async fn open(&self, config: Config, tls: MakeRustlsConnect, target: &str) -> Result<Client> {
+    async fn open(&self, config: Config, tls: MakeRustlsConnect, target: &str) -> Result<Session> {
         let target = target.to_string();
         let (client, connection) = config.connect(tls).await.map_err(|e| classify_connect_error(&target, e))?;
+        let (closing, dropped) = tokio::sync::oneshot::channel::<()>();
+        let grace = self.connect_timeout();
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            let mut connection = std::pin::pin!(connection);
+            let ended = tokio::select! {
+                r = &mut connection => r,
+                _ = dropped => match tokio::time::timeout(grace, &mut connection).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        // Dropping the connection closes the socket.
+                        tracing::debug!(
+                            grace_s = grace.as_secs_f64(),
+                            "session dropped with a statement still unanswered: connection closed"
+                        );
+                        return;
+                    }
+                },
+            };
+            if let Err(e) = ended {
                 tracing::debug!(error = %describe(&e), "session ended");
             }
         });
+        let client = Session { client, _closing: closing };
         // The search path first (every name in this very statement is qualified), then: no statement
         // of this tool may wait on a lock or run without bound.
         client
@@ -491,6 +509,31 @@ impl ConnectionSpec {
             .await
             .map_err(|e| classify_connect_error(&target, e))?;
         Ok(client)
+    }
+}
+
+/// One open session: the driver's client, and the end of the task that carries its connection.
+/// Dropping it ends that task: at once when nothing is in flight (the protocol's goodbye), and at most
+/// connect_timeout later when a statement is still unanswered (dropped after no answer, or cut by a
+/// deadline), which is the time its cancel request has to arrive. Without that bound the task of a
+/// half-open connection waited for the statement's answer until TCP keepalive gave up on the socket,
+/// and forever on a path that still acknowledges (a proxy holding it): each held its socket and its
+/// memory, and on the server the slot of a session nobody would use again.
+pub struct Session {
+    client: Client,
+    _closing: tokio::sync::oneshot::Sender<()>,
+}
+
+impl std::ops::Deref for Session {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl std::ops::DerefMut for Session {
+    fn deref_mut(&mut self) -> &mut Client {
+        &mut self.client
     }
 }
 

@@ -195,7 +195,7 @@ pub async fn maintain(
     let mut results = Vec::new();
     let mut pending: std::collections::VecDeque<MaintenanceTarget> = targets.into();
     // (database, session, server_version_num, in recovery)
-    let mut session: Option<(String, tokio_postgres::Client, i32, bool)> = None;
+    let mut session: Option<(String, crate::connect::Session, i32, bool)> = None;
     let vacuum = opts.action == Maintenance::VacuumAnalyze;
     let stopped = || opts.stop.as_ref().is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed));
     while let Some(mut t) = pending.pop_front() {

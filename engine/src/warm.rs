@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio_postgres::Client;
 use tracing::{debug, info, warn};
 
 use crate::bounded::{bounded, bounded_or_stopped, client_bound, stop_asked, Failed};
@@ -493,9 +492,9 @@ async fn steer(s: Arc<Shared>, mut c: crate::adaptive::Controller) {
     }
 }
 
-struct Session {
+struct WarmSession {
     database: String,
-    client: Client,
+    client: crate::connect::Session,
     /// The pg_prewarm call as this session's server resolved it (None: the extension is not there).
     prewarm: Option<ServerSql>,
     role: Option<String>,
@@ -760,7 +759,7 @@ impl Shared {
 
 async fn worker(id: usize, s: Arc<Shared>) {
     use futures_util::FutureExt;
-    let mut session: Option<Session> = None;
+    let mut session: Option<WarmSession> = None;
     loop {
         if s.deadline_near() {
             debug!(session = id, "deadline near, stop or drain asked: starting no new range");
@@ -846,7 +845,7 @@ enum NotOpened {
 
 /// Opens a session to `db`, retrying connection failures until `reconnect_for` runs out or the deadline
 /// comes.
-async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, NotOpened> {
+async fn open_session(s: &Shared, db: &str) -> std::result::Result<WarmSession, NotOpened> {
     let started = Instant::now();
     let mut backoff = Duration::from_millis(200);
     loop {
@@ -884,7 +883,7 @@ async fn open_session(s: &Shared, db: &str) -> std::result::Result<Session, NotO
         };
         match attempted {
             Ok((client, prewarm)) => {
-                return Ok(Session {
+                return Ok(WarmSession {
                     database: db.to_string(),
                     client,
                     prewarm,
@@ -926,7 +925,7 @@ enum Ready {
     Stop,
 }
 
-async fn ensure_session(id: usize, s: &Shared, session: &mut Option<Session>, task: &Task) -> Ready {
+async fn ensure_session(id: usize, s: &Shared, session: &mut Option<WarmSession>, task: &Task) -> Ready {
     let db = &s.plan.fork(&task.range).database;
     if s.queue.lock().unwrap().gone.contains(db) {
         s.skip(
@@ -968,7 +967,7 @@ async fn ensure_session(id: usize, s: &Shared, session: &mut Option<Session>, ta
 }
 
 /// Runs one task; returns true when the worker must stop (deadline, stop).
-async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, task: Task) -> bool {
+async fn run_task(id: usize, s: &Shared, session: &mut Option<WarmSession>, task: Task) -> bool {
     if let Some(hook) = &s.opts.before_range {
         (hook.0)(s.plan.fork(&task.range), &task.range);
     }
@@ -1011,7 +1010,7 @@ async fn run_task(id: usize, s: &Shared, session: &mut Option<Session>, task: Ta
 /// then pg_prewarm over the range. Each under a client-side bound.
 async fn read_range(
     s: &Shared,
-    sess: &mut Session,
+    sess: &mut WarmSession,
     prewarm: &ServerSql,
     fork: &crate::plan::ForkEntry,
     range: &BlockRange,
@@ -1035,7 +1034,7 @@ async fn read_range(
 async fn dispose(
     id: usize,
     s: &Shared,
-    session: &mut Option<Session>,
+    session: &mut Option<WarmSession>,
     mut task: Task,
     f: Failed,
     capped_by_deadline: bool,
@@ -1148,7 +1147,7 @@ async fn dispose(
 /// Reads a batch of small whole forks in one statement, on the session already open in their
 /// database. Any failure puts them back to be read one by one, where every cause has its handling;
 /// only a lost session or a stop keeps them batchable. Returns true when the worker must stop.
-async fn run_batch(id: usize, s: &Shared, session: &mut Option<Session>, tasks: Vec<Task>) -> bool {
+async fn run_batch(id: usize, s: &Shared, session: &mut Option<WarmSession>, tasks: Vec<Task>) -> bool {
     if let Some(hook) = &s.opts.before_range {
         for t in &tasks {
             (hook.0)(s.plan.fork(&t.range), &t.range);
@@ -1211,7 +1210,7 @@ async fn run_batch(id: usize, s: &Shared, session: &mut Option<Session>, tasks: 
 
 async fn read_batch(
     s: &Shared,
-    sess: &mut Session,
+    sess: &mut WarmSession,
     tasks: &[Task],
     timeout: Duration,
     role: Option<String>,
@@ -1239,7 +1238,7 @@ async fn read_batch(
 /// The session's statement_timeout and role as the next statement needs them.
 async fn prepare(
     s: &Shared,
-    sess: &mut Session,
+    sess: &mut WarmSession,
     quick: Duration,
     timeout: Duration,
     role: Option<String>,
@@ -1268,7 +1267,7 @@ async fn prepare(
 
 /// After an unexpected error: find out whether the relation was dropped or shrank, and record or
 /// retry accordingly.
-async fn reexamine(id: usize, s: &Shared, session: &mut Option<Session>, mut task: Task, err: &Failed) -> bool {
+async fn reexamine(id: usize, s: &Shared, session: &mut Option<WarmSession>, mut task: Task, err: &Failed) -> bool {
     let range = task.range;
     let fork = s.plan.fork(&range).clone();
     let sess = session.as_ref().unwrap();

@@ -602,73 +602,85 @@ impl CuttingProxy {
 /// bytes, the proxy stops forwarding in both directions but keeps both sockets open, as a failover,
 /// a dropped NAT entry or a partition does. The first `holds` connections are held; later ones are
 /// forwarded normally. Nothing ever arrives on a held connection, not even the server's own
-/// statement_timeout error, so only a client-side bound ends the wait. `held()` counts them.
+/// statement_timeout error, so only a client-side bound ends the wait. `held()` counts them,
+/// `released()` those of them whose client then closed its side.
 pub struct BlackholeProxy {
     pub port: u16,
     proxy: Proxy,
+    released: std::sync::Arc<std::sync::atomic::AtomicU32>,
 }
 
 impl BlackholeProxy {
     pub async fn start(upstream_port: u16, hold_after: usize, holds: u32) -> BlackholeProxy {
         use std::sync::atomic::Ordering::SeqCst;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let proxy = Proxy::start(upstream_port, move |client, server, counter| async move {
-            let (mut cr, mut cw) = client.into_split();
-            let (mut sr, mut sw) = server.into_split();
-            let gate = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let closed = gate.clone();
-            let down = tokio::spawn(async move {
+        let released = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let release = released.clone();
+        let proxy = Proxy::start(upstream_port, move |client, server, counter| {
+            let release = release.clone();
+            async move {
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let gate = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let closed = gate.clone();
+                let down = tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16384];
+                    loop {
+                        let n = match sr.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if closed.load(SeqCst) {
+                            // Held: keep the bytes, forward nothing, keep the socket.
+                            std::future::pending::<()>().await;
+                        }
+                        if cw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    std::future::pending::<()>().await;
+                });
+                let mut sent = 0usize;
                 let mut buf = vec![0u8; 16384];
                 loop {
-                    let n = match sr.read(&mut buf).await {
+                    let n = match cr.read(&mut buf).await {
                         Ok(0) | Err(_) => break,
                         Ok(n) => n,
                     };
-                    if closed.load(SeqCst) {
-                        // Held: keep the bytes, forward nothing, keep the socket.
-                        std::future::pending::<()>().await;
-                    }
-                    if cw.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
-                }
-                std::future::pending::<()>().await;
-            });
-            let mut sent = 0usize;
-            let mut buf = vec![0u8; 16384];
-            loop {
-                let n = match cr.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => n,
-                };
-                if sent + n > hold_after && !gate.load(SeqCst) {
-                    let nth = counter.fetch_add(1, SeqCst);
-                    if nth < holds {
-                        gate.store(true, SeqCst);
-                        // Hold until the client gives up (closes its side).
-                        while let Ok(n) = cr.read(&mut buf).await {
-                            if n == 0 {
-                                break;
+                    if sent + n > hold_after && !gate.load(SeqCst) {
+                        let nth = counter.fetch_add(1, SeqCst);
+                        if nth < holds {
+                            gate.store(true, SeqCst);
+                            // Hold until the client gives up (closes its side).
+                            while let Ok(n) = cr.read(&mut buf).await {
+                                if n == 0 {
+                                    break;
+                                }
                             }
+                            release.fetch_add(1, SeqCst);
+                            break;
                         }
+                        counter.fetch_sub(1, SeqCst);
+                        sent = 0;
+                    }
+                    sent += n;
+                    if sw.write_all(&buf[..n]).await.is_err() {
                         break;
                     }
-                    counter.fetch_sub(1, SeqCst);
-                    sent = 0;
                 }
-                sent += n;
-                if sw.write_all(&buf[..n]).await.is_err() {
-                    break;
-                }
+                down.abort();
             }
-            down.abort();
         })
         .await;
-        BlackholeProxy { port: proxy.port, proxy }
+        BlackholeProxy { port: proxy.port, proxy, released }
     }
 
     pub fn held(&self) -> u32 {
         self.proxy.count()
+    }
+
+    pub fn released(&self) -> u32 {
+        self.released.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 

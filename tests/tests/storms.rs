@@ -726,6 +726,20 @@ async fn warm_calls_that_never_read_end_the_item_with_a_named_skip() {
     }
     assert!(proxy.held() >= calls, "each call's first statement was held: {} of {calls}", proxy.held());
     assert_eq!(skipped, summary.planned_bytes, "every planned byte is reported skipped");
+    // Every held connection is closed by pghydrate within the connect timeout (the time its cancel
+    // request has) of the session's drop; before, each stayed open, its statement unanswered, as long
+    // as the path acknowledged: a server's slots and a Lambda's sockets filled with sessions nobody
+    // would use again.
+    let waited = Instant::now();
+    while proxy.released() < proxy.held() && waited.elapsed() < Duration::from_secs(15) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        proxy.released(),
+        proxy.held(),
+        "held connections still open {:?} after the last call",
+        waited.elapsed()
+    );
 }
 
 /// A migration holding sixty tables ACCESS EXCLUSIVE while the workflow plans. Planning spends at most
