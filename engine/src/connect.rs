@@ -427,9 +427,9 @@ impl ConnectionSpec {
     }
 
     /// Opens one session to `database`. The connection task runs on the current runtime and ends when
-    /// the session is dropped (see [`Session`]). The session's search path is pinned before its first query (see
-    /// [`crate::sql`]): the startup option comes after any the user gave, so it wins, and the first
-    /// statement sets it again in case a pooler dropped the startup option.
+    /// the session is dropped (see [`Session`]). The session's search path is pinned before its first
+    /// query (see [`crate::sql`]): the startup option comes after any the user gave, so it wins, and the
+    /// first statement sets it again in case a pooler dropped the startup option.
     pub async fn connect(&self, database: &str) -> Result<Session> {
         let mut config = self.config.clone();
         config.dbname(database);
