@@ -9,6 +9,7 @@ import json
 import threading
 import time
 
+import botocore.exceptions
 import pytest
 
 from twin import ACCOUNT, PASSWORD, Twin
@@ -22,10 +23,11 @@ SCHEDULED = {"version": "0", "id": "7bf73129-1428-4cd3-a780-95db273d1602", "deta
 @pytest.fixture(scope="module")
 def twin():
     # Minimum uptime 0: the twin's server has just started (the minimum itself is tested in
-    # tests/tests/hotset.rs, against a restarted server).
+    # tests/tests/hotset.rs, against a restarted server). Lock timeouts of 30 s: planning waits up to
+    # three of them (90 s, within the Plan call's 110 s) for the restore test's migration.
     with Twin.start(lambda_timeout=120, margin=10, mode="buffer",
                     env={"PGHYDRATE_CAPTURE_INSTANCES": "db-source,db-stopped,db-leased",
-                         "PGHYDRATE_CAPTURE_MIN_UPTIME_MINUTES": "0"}) as t:
+                         "PGHYDRATE_CAPTURE_MIN_UPTIME_MINUTES": "0", "PGHYDRATE_LOCK_TIMEOUT_SECONDS": "30"}) as t:
         t.pg.load_sample("app", 1)
         t.pg.psql("CREATE EXTENSION pg_buffercache")
         yield t
@@ -42,6 +44,20 @@ def capture_of(pg, db: str):
     return at, int(ranges)
 
 
+HEAD_START_ENDED = "head start ended with planning"
+
+
+def source_instance(twin) -> str:
+    """The captured instance, db-source, available: registered by whichever test needs it first."""
+    try:
+        twin.client("rds").describe_db_instances(DBInstanceIdentifier="db-source")
+        exists = True
+    except botocore.exceptions.ClientError:
+        exists = False
+    twin.register_instance("db-source", script=[{"status": "available"}], create=not exists)
+    return "db-source"
+
+
 def wait_async(twin, count: int, timeout: float = 400) -> list:
     end = time.time() + timeout
     while time.time() < end:
@@ -55,7 +71,7 @@ def wait_async(twin, count: int, timeout: float = 400) -> list:
 def test_the_schedule_captures_each_listed_instance_in_a_call_of_its_own(twin):
     pg = twin.pg
     pg.psql("SELECT count(*) FROM customers; SELECT count(*) FROM documents", db="app")
-    twin.register_instance("db-source", script=[{"status": "available"}])
+    source_instance(twin)
     twin.register_instance("db-stopped", script=[{"status": "stopped"}])
     twin.register_instance("db-leased", script=[{"status": "available"}])
     # A hydration run holds db-leased (its execution just started: not yet visible to DescribeExecution).
@@ -103,22 +119,25 @@ def test_an_instance_not_listed_is_refused(twin):
 def test_a_database_a_hostile_user_prepared_fails_the_call_and_the_others_are_captured(twin):
     pg = twin.pg
     pg.psql("CREATE ROLE mallory LOGIN PASSWORD 'mallory'")
-    pg.psql("CREATE DATABASE tenant OWNER mallory")
-    # Her schema pghydrate, with a table where capture would write: capture must not write into it.
-    pg.psql("SET ROLE mallory; CREATE SCHEMA pghydrate; CREATE TABLE pghydrate.hot_set (x int);"
-            "CREATE TABLE big AS SELECT g AS id FROM generate_series(1, 200000) g", db="tenant")
-    pg.psql("SELECT count(*) FROM big", db="tenant")
-    before = capture_of(pg, "app")
-    error, out = twin.invoke("capture", {"instance": "db-source"})
-    assert error == "Unhandled" and out["errorType"] == "CaptureIncomplete", out
-    assert "tenant" in out["errorMessage"] and "belongs to mallory" in out["errorMessage"], out
-    assert "1 of" in out["errorMessage"], out
-    after = capture_of(pg, "app")
-    assert after is not None and after[0] > before[0], (before, after)
-    assert pg.psql("SELECT count(*) FROM pghydrate.hot_set", db="tenant") == "0"
-    assert pg.psql("SELECT relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                   "WHERE nspname = 'pghydrate'", db="tenant") == "hot_set"
-    pg.psql("DROP DATABASE tenant")
+    try:
+        pg.psql("CREATE DATABASE tenant OWNER mallory")
+        # Her schema pghydrate, with a table where capture would write: capture must not write into it.
+        pg.psql("SET ROLE mallory; CREATE SCHEMA pghydrate; CREATE TABLE pghydrate.hot_set (x int);"
+                "CREATE TABLE big AS SELECT g AS id FROM generate_series(1, 200000) g", db="tenant")
+        pg.psql("SELECT count(*) FROM big", db="tenant")
+        before = capture_of(pg, "app")
+        error, out = twin.invoke("capture", {"instance": source_instance(twin)})
+        assert error == "Unhandled" and out["errorType"] == "CaptureIncomplete", out
+        assert "tenant" in out["errorMessage"] and "belongs to mallory" in out["errorMessage"], out
+        assert "1 of" in out["errorMessage"], out
+        after = capture_of(pg, "app")
+        assert after is not None and (before is None or after[0] > before[0]), (before, after)
+        assert pg.psql("SELECT count(*) FROM pghydrate.hot_set", db="tenant") == "0"
+        assert pg.psql("SELECT relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                       "WHERE nspname = 'pghydrate'", db="tenant") == "hot_set"
+    finally:
+        pg.psql("DROP DATABASE IF EXISTS tenant WITH (FORCE)")
+        pg.psql("DROP ROLE mallory")
 
 
 def plan_summaries(history) -> list:
@@ -134,27 +153,31 @@ def plan_summaries(history) -> list:
 
 
 def test_a_restore_of_the_captured_server_reads_the_hot_set_first(twin):
+    # A capture of its own (the schedule's test may not have run, or may have failed).
+    twin.pg.psql("SELECT count(*) FROM customers; SELECT count(*) FROM documents", db="app")
+    error, out = twin.invoke("capture", {"instance": source_instance(twin)})
+    assert error is None and out["outcome"] == "captured", out
     twin.pg.restart()  # an empty cache, as after a restore
     twin.register_instance("db-restored", script=[
         {"status": "available"},
         {"status": "available", "storage": "Initializing", "progress": 40},
         {"status": "available"},
     ])
-    # A migration holds a table for the run's first 12 s: the Plan call waits for it (5 s lock
-    # timeouts), and meanwhile reads the hot set (its head start), which waits for no lock.
+    # A migration holds a table until the head start has ended: the Plan call waits for it (lock
+    # timeouts of 30 s here, three of them), and meanwhile reads the hot set (its head start), which
+    # waits for no lock. Released by the test, not after a guessed time.
     twin.pg.psql("CREATE TABLE IF NOT EXISTS migrating (id int)", db="app")
-    migration = threading.Thread(target=twin.pg.psql, daemon=True, kwargs={
-        "sql": "BEGIN; LOCK TABLE migrating IN ACCESS EXCLUSIVE MODE; SELECT pg_sleep(12); COMMIT", "db": "app"})
-    migration.start()
-    for _ in range(250):
-        if twin.pg.psql("SELECT count(*) FROM pg_locks WHERE relation = 'migrating'::regclass AND granted "
-                        "AND mode = 'AccessExclusiveLock'", db="app") == "1":
-            break
-        time.sleep(0.02)
-    else:
-        raise AssertionError("the migration's lock was not taken")
-    desc, history = twin.run({"instance": "db-restored", "include_databases": ["app"]})
-    migration.join()
+    ended_before = twin.log_text().count(HEAD_START_ENDED)
+    with twin.pg.holding_lock("migrating", db="app"):
+        arn = twin.start_execution({"instance": "db-restored", "include_databases": ["app"]})
+        started = time.time()
+        while twin.log_text().count(HEAD_START_ENDED) == ended_before:
+            d = twin.client("stepfunctions").describe_execution(executionArn=arn)
+            assert d["status"] == "RUNNING", (d["status"], d.get("error"), d.get("cause"))
+            assert time.time() < started + 80, "no head start ended within 80 s: " + "; ".join(
+                line for line in twin.log_text().splitlines() if "head start" in line)
+            time.sleep(0.2)
+    desc, history = twin.wait(arn)
     assert desc["status"] == "SUCCEEDED", desc
     summaries = plan_summaries(history)
     assert len(summaries) == 1, summaries

@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
@@ -225,7 +226,6 @@ class Postgres:
     def __init__(self, workdir: Path, conf: dict | None = None, major: int | None = None):
         self.bin = HOME / "pg" / str(major) / "bin" if major else PG_BIN
         self.dir = workdir / "pg"
-        self.cgroup: Path | None = None
         self.dir.mkdir(parents=True)
         (self.dir / "pw").write_text(PASSWORD)
         if os.geteuid() == 0:
@@ -265,50 +265,48 @@ class Postgres:
     def start(self):
         as_pg([str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-o",
                f"-p {self.port}", "-w", "start"])
-        if self.cgroup:
-            self._enter_cgroup()
 
-    def limit_cpu(self, percent: float):
-        """Slows the whole server down for real: its postmaster and every backend (children inherit the
-        cgroup) get `percent` of one CPU (cgroup v1 cpu controller; needs root). A warm that takes a
-        fraction of a second unthrottled then takes seconds, so short Lambda deadlines can be tested on
-        a table small enough to build quickly."""
-        if os.geteuid() != 0:
-            raise RuntimeError("limit_cpu needs root (cgroup); the twin's tests run as root in CI")
-        self.cgroup = Path(f"/sys/fs/cgroup/cpu/pghydrate-twin-{self.port}")
-        self.cgroup.mkdir(exist_ok=True)
-        (self.cgroup / "cpu.cfs_period_us").write_text("100000")
-        (self.cgroup / "cpu.cfs_quota_us").write_text(str(int(1000 * percent)))
-        self._enter_cgroup()
+    def running(self) -> bool:
+        return subprocess.run((["runuser", "-u", RUN_AS, "--"] if os.geteuid() == 0 else [])
+                              + [str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "status"],
+                              capture_output=True).returncode == 0
 
-    def unlimit_cpu(self):
-        """Lifts the CPU limit (the server stays in its cgroup), e.g. to check results quickly."""
-        if self.cgroup:
-            (self.cgroup / "cpu.cfs_quota_us").write_text("-1")
+    def ensure_running(self):
+        """Starts the server if a test left it stopped (an outage test that failed midway): the next
+        test of a module that shares it finds it up."""
+        if not self.running():
+            self.start()
 
-    def _enter_cgroup(self):
-        postmaster = int((self.dir / "data" / "postmaster.pid").read_text().split()[0])
-        pids = [postmaster]
-        for task in Path(f"/proc/{postmaster}/task").iterdir():
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        for pid in pids:
+    @contextmanager
+    def holding_lock(self, table: str, db: str, timeout: float = 60):
+        """A session of the test's own holds `table` ACCESS EXCLUSIVE (a migration) from the moment this
+        returns, the lock granted, until the block ends, however it ends: the lock lasts exactly as long
+        as the test says, not a guessed number of seconds."""
+        env = dict(os.environ, PGPASSWORD=PASSWORD)
+        proc = subprocess.Popen([str(self.bin / "psql"), "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1",
+                                 "-p", str(self.port), "-U", "postgres", "-d", db], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            proc.stdin.write(f"BEGIN;\nLOCK TABLE {table} IN ACCESS EXCLUSIVE MODE;\nSELECT 'locked';\n")
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            line = proc.stdout.readline() if ready else ""
+            if line.strip() != "locked":
+                proc.kill()
+                raise RuntimeError(f"the lock on {table} was not granted within {timeout} s: {line!r}, "
+                                   f"psql said {proc.stderr.read().strip()!r}")
+            yield
+        finally:
             try:
-                (self.cgroup / "cgroup.procs").write_text(str(pid))
-            except ProcessLookupError:
-                pass  # a backend that ended meanwhile
-
-    def release_cgroup(self):
-        """Removes the cgroup once the server's last process has left it (an immediate stop returns
-        before every backend has exited)."""
-        for _ in range(100):
-            if not (self.cgroup and self.cgroup.exists()):
-                return
-            try:
-                self.cgroup.rmdir()
-                return
+                proc.stdin.write("COMMIT;\n")
+                proc.stdin.close()
             except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"cgroup {self.cgroup} still has processes: {(self.cgroup / 'cgroup.procs').read_text()}")
+                pass  # psql has exited
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     def stop(self, mode="fast"):
         subprocess.run((["runuser", "-u", RUN_AS, "--"] if os.geteuid() == 0 else [])
@@ -455,7 +453,6 @@ class Twin:
         if getattr(self, "sandboxes", None):
             self.sandboxes.stop()
         self.pg.stop("immediate")
-        self.pg.release_cgroup()
 
     # --- AWS resources -----------------------------------------------------------------------------------
     def client(self, service):
