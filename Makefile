@@ -21,14 +21,10 @@ demo: setup
 	$(CARGO) build --release --locked -p pghydrate-cli -p pghydrate-lazyvol
 	PGHYDRATE_BIN=$(CARGO_TARGET_DIR)/release/pghydrate bash scripts/demo.sh
 
-## Every test: unit tests, property tests, and the real-server tests on PostgreSQL 15, 16, 17, 18.
+## Every test: unit tests, property tests, the real-server tests on PostgreSQL 15, 16, 17, 18, the twin,
+## the infra checks and sam build; each phase's wall time printed at the end (scripts/test.sh).
 test: setup
-	bash scripts/check-infra.sh
-	$(CARGO) build --locked -p pghydrate-cli
-	set -o pipefail; $(CARGO) test --workspace --locked 2>&1 | tee $(PGHYDRATE_HOME)/test.log
-	set -o pipefail; bash twin/up.sh 2>&1 | tee $(PGHYDRATE_HOME)/e2e.log
-	bash scripts/sam-build.sh
-	@awk '/^test result:/ { p += $$4; f += $$6 } FILENAME ~ /e2e.log$$/ && / passed/ && /in [0-9.]+s/ { for (i = 1; i < NF; i++) { if ($$(i+1) ~ /^passed/) p += $$i; if ($$(i+1) ~ /^failed/) f += $$i } } END { printf "%d passed, %d failed\n", p, f }' $(PGHYDRATE_HOME)/test.log $(PGHYDRATE_HOME)/e2e.log
+	bash scripts/test.sh
 
 unit:
 	$(CARGO) test --locked -p pghydrate

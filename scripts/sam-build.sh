@@ -2,12 +2,16 @@
 # `sam build` of infra/template.yaml for x86_64 (cargo-lambda from the twin's venv, SAM CLI from the
 # infra venv), with build and cache directories outside the clone so repeated runs are incremental;
 # then checks that every function's bootstrap is an x86-64 executable.
+#   scripts/sam-build.sh              the release binaries (if not up to date), sam build, the check
+#   scripts/sam-build.sh --binaries   only the release binaries (scripts/test.sh runs this in the background)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HOME_DIR=${PGHYDRATE_HOME:-/var/tmp/pghydrate}
-bash scripts/check-infra.sh >/dev/null   # installs the pinned SAM CLI
 [ -x "$HOME_DIR/twinvenv/bin/cargo-lambda" ] || { python3 -m venv "$HOME_DIR/twinvenv"; "$HOME_DIR/twinvenv/bin/pip" install -q -r twin/requirements.txt; }
 export PATH="$HOME_DIR/twinvenv/bin:$PATH" SAM_CLI_TELEMETRY=0
+# A target directory of its own: a release build for another target shares no artifact with the debug
+# builds the tests use, and a build of its own can run beside theirs (cargo locks a target directory).
+export CARGO_TARGET_DIR=$HOME_DIR/lambda-target
 BUILD=$HOME_DIR/sam-build
 FUNCTIONS=(resolve describe plan warm maintain report capture)
 # The seven binaries in one cargo-lambda build first: cargo-lambda's release profile (one codegen unit,
@@ -19,6 +23,8 @@ started=$(date +%s)
 cargo lambda build --release "${bins[@]}" >"$HOME_DIR/cargo-lambda-build.log" 2>&1 \
   || { tail -40 "$HOME_DIR/cargo-lambda-build.log"; exit 1; }
 echo "cargo lambda build: ${#FUNCTIONS[@]} binaries in $(( $(date +%s) - started )) s"
+[ "${1:-}" = --binaries ] && exit 0
+[ -x "$HOME_DIR/venv/bin/sam" ] || bash scripts/check-infra.sh >/dev/null   # installs the pinned SAM CLI
 started=$(date +%s)
 "$HOME_DIR/venv/bin/sam" build --parameter-overrides Architecture=x86_64 \
   --build-dir "$BUILD" --cache-dir "$HOME_DIR/sam-cache" >"$HOME_DIR/sam-build.log" 2>&1 \

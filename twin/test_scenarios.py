@@ -29,15 +29,6 @@ def twin():
         assert t.places_containing(PASSWORD) == []
 
 
-@pytest.fixture(autouse=True)
-def server_up_after_each_test(request):
-    """Whatever a test did to the module's shared server and however it ended, the next test finds it
-    running."""
-    yield
-    if "twin" in request.fixturenames:
-        request.getfixturevalue("twin").pg.ensure_running()
-
-
 def history_text(history) -> str:
     return json.dumps(history, default=str)
 
@@ -273,9 +264,10 @@ def test_a_blue_green_deployment_with_three_green_instances_hydrates_each_in_a_h
 
 
 def test_a_plan_over_the_inline_limit_goes_through_s3_and_a_distributed_map():
-    # Tiny work items (one 64-block range each) make the sample plan far larger than 40 items.
+    # Tiny work items (one 64-block range each) make a 24 MiB table's plan far larger than 40 items.
     with Twin.start(lambda_timeout=20, margin=5, env={"PGHYDRATE_RANGE_BLOCKS": "64", "PGHYDRATE_ITEM_RANGES": "1"}) as t:
-        t.pg.load_sample("app", 1)
+        t.pg.psql("CREATE DATABASE app")
+        t.pg.psql("CREATE TABLE t AS SELECT g AS id, md5(g::text) AS v FROM generate_series(1, 350000) g", db="app")
         t.register_instance("big-plan", script=[{"status": "available"}] * 10)
         d, history = t.run({"instance": "big-plan", "include_databases": ["app"], "maintenance": "none"})
         assert d["status"] == "SUCCEEDED", (d.get("error"), t.report_of(history))

@@ -6,7 +6,8 @@ fast the table can be read at most (8 MiB/s), so what the tests need happens wha
   cannot end within one: the deadline cuts ranges, and the item continues call after call;
 - a restart and an outage are made while a call is reading a range, as the server itself shows it
   (a session in pg_prewarm, a call that began less than 3 s before), not after a guessed sleep.
-Every test begins with a cold volume and leaves the server running, whatever its outcome."""
+Every test begins with a cold volume; conftest.py starts the server again after a test that failed
+with it down."""
 import datetime
 import json
 import math
@@ -57,14 +58,12 @@ def slow_twin():
 
 @pytest.fixture()
 def cold(slow_twin):
-    """The slow twin with everything cold (shared buffers, the kernel's cache, the volume), and running
-    again after the test whatever it did to the server."""
+    """The slow twin with everything cold (shared buffers, the kernel's cache, the volume)."""
     t = slow_twin
     t.pg.stop()
     t.vol.remount(latency=f"{int(LATENCY_S * 1000)}ms", concurrency=FETCHES_AT_ONCE)
     t.pg.start()
-    yield t
-    t.pg.ensure_running()
+    return t
 
 
 def least_seconds(vol) -> float:

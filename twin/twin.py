@@ -494,6 +494,13 @@ class Twin:
                                      data=json.dumps({"function": function, "fault": fault, "count": count}).encode())
         urllib.request.urlopen(req)
 
+    def restore(self):
+        """Undoes what a test may leave behind on a twin its module shares: a stopped server is started,
+        and Lambda faults not yet consumed are disarmed."""
+        self.pg.ensure_running()
+        for function in FUNCTIONS:
+            self.lambda_fault(function, "none", count=0)
+
     def create_rules_from_template(self) -> list:
         """Creates the EventBridge rules that infra/template.yaml attaches to the state machine (its
         EventBridgeRule events, patterns as written there), each targeting the twin's state machine."""
