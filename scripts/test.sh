@@ -24,6 +24,8 @@ stop_lambda_build() {
   [ -n "$lambda_build" ] && kill -TERM -- "-$lambda_build" 2>/dev/null || true
 }
 trap stop_lambda_build EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 phase "infra checks" bash scripts/check-infra.sh
 phase "debug build" "$CARGO" build --locked --workspace
