@@ -28,6 +28,7 @@ trap 'exit 143' TERM
 trap 'exit 130' INT
 
 phase "infra checks" bash scripts/check-infra.sh
+phase "twin tooling (venv)" bash twin/up.sh --venv  # before the background build, which needs its cargo-lambda
 phase "debug build" "$CARGO" build --locked --workspace
 # Its own session (so the whole build can be stopped), its own target directory (scripts/sam-build.sh).
 setsid nice -n 19 bash scripts/sam-build.sh --binaries >"$HOME_DIR/lambda-build.out" 2>&1 &
