@@ -19,7 +19,9 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 RUN_AS = "pghydrate"
@@ -87,3 +89,19 @@ class Volume:
             except (FileNotFoundError, json.JSONDecodeError):
                 time.sleep(0.01)
         raise RuntimeError("no status from the lazy volume")
+
+
+@contextmanager
+def mounted(binary: Path, under: Path, **params):
+    """A volume in a directory of its own under `under` (owned by the server's user), mounted with
+    `params`; unmounted and removed however the block ends."""
+    workdir = Path(tempfile.mkdtemp(prefix="lazyvol-", dir=under))
+    if os.geteuid() == 0:
+        shutil.chown(workdir, RUN_AS)
+    vol = Volume(workdir, binary)
+    try:
+        vol.mount(**params)
+        yield vol
+    finally:
+        vol.unmount()
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -12,14 +12,12 @@ import datetime
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from lazyvol import Volume
+from lazyvol import mounted
 from test_scenarios import unbuffered_forks
 from twin import HOME, PASSWORD, ROOT, Twin
 
@@ -31,12 +29,7 @@ WINDOW = LAMBDA_TIMEOUT - MARGIN
 
 @pytest.fixture(scope="module")
 def slow_twin():
-    voldir = Path(tempfile.mkdtemp(prefix="slowvol-", dir=HOME))
-    if os.geteuid() == 0:
-        shutil.chown(voldir, "pghydrate")
-    vol = Volume(voldir, BINARY)
-    try:
-        vol.mount(latency="0ms")
+    with mounted(BINARY, HOME, latency="0ms") as vol:
         # Whole 64 MiB ranges per statement (no 8 MiB steps): statements longer than a call's window.
         # A Warm call gives up on a lost database after 3 s (ConnectionFailed, retried by the state machine).
         with Twin.start(lambda_timeout=LAMBDA_TIMEOUT, margin=MARGIN, mode="buffer",
@@ -51,9 +44,6 @@ def slow_twin():
             t.vol = vol
             yield t
             assert t.places_containing(PASSWORD) == []
-    finally:
-        vol.unmount()
-        shutil.rmtree(voldir, ignore_errors=True)
 
 
 @pytest.fixture()

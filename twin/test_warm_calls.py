@@ -4,15 +4,13 @@ database, not on its CPU, and Lambda bills per call), never more than half the s
 connection slots in all, and every block of the volume is fetched."""
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from lazyvol import Volume
+from lazyvol import mounted
 from twin import HOME, PASSWORD, ROOT, Twin
 
 BINARY = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug" / "pghydrate-lazyvol"
@@ -23,12 +21,7 @@ MAX_CONNECTIONS = 40
 
 @pytest.fixture(scope="module")
 def lazy_twin():
-    voldir = Path(tempfile.mkdtemp(prefix="lazyvol-", dir=HOME))
-    if os.geteuid() == 0:
-        shutil.chown(voldir, "pghydrate")
-    vol = Volume(voldir, BINARY)
-    try:
-        vol.mount(latency="0ms")
+    with mounted(BINARY, HOME, latency="0ms") as vol:
         with Twin.start(lambda_timeout=60, margin=5, mode="read",
                         pg_conf={"max_connections": str(MAX_CONNECTIONS), "shared_buffers": "32MB"}) as t:
             t.pg.psql(f"CREATE TABLESPACE lazy LOCATION '{vol.mnt}'")
@@ -48,9 +41,6 @@ def lazy_twin():
             yield t
             assert t.places_containing(PASSWORD) == []
             t.pg.stop()
-    finally:
-        vol.unmount()
-        shutil.rmtree(voldir, ignore_errors=True)
 
 
 class SessionSampler:
