@@ -73,12 +73,13 @@ def wait_mid_read(t, arn: str, within: float = 3.0, timeout: float = 300):
     with most of the call's window still to come. Fails with what was seen if that never happens."""
     started, seen = time.time(), None
     while time.time() < started + timeout:
-        calls = warm_calls(t.history(arn))
-        reading = t.pg.psql("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'pghydrate %' "
-                            "AND state = 'active' AND query LIKE '%pg_prewarm%' AND query NOT LIKE '%pg_depend%'")
+        reading = int(t.pg.psql("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'pghydrate %' "
+                                "AND state = 'active' AND query LIKE '%pg_prewarm%' AND query NOT LIKE '%pg_depend%'"))
+        # The history (children included) only once a session reads: it is the costlier look.
+        calls = warm_calls(t.history(arn)) if reading else None
         now = datetime.datetime.now(datetime.timezone.utc)
-        seen = (len(calls), reading, t.vol.status()["fetched_chunks"])
-        if calls and int(reading) > 0 and (now - max(calls)).total_seconds() < within:
+        seen = (calls and len(calls), reading, t.vol.status()["fetched_chunks"])
+        if calls and (now - max(calls)).total_seconds() < within:
             return
         time.sleep(0.1)
     raise AssertionError(f"no Warm call was reading within {within} s of its start in {timeout} s "

@@ -178,10 +178,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def as_pg(args, **kw):
+def as_pg(args, check: bool = True, **kw):
     if os.geteuid() == 0:
         args = ["runuser", "-u", RUN_AS, "--"] + args
-    return subprocess.run(args, check=True, capture_output=True, text=True, **kw)
+    return subprocess.run(args, check=check, capture_output=True, text=True, **kw)
 
 
 class ServerGone(RuntimeError):
@@ -267,9 +267,7 @@ class Postgres:
                f"-p {self.port}", "-w", "start"])
 
     def running(self) -> bool:
-        return subprocess.run((["runuser", "-u", RUN_AS, "--"] if os.geteuid() == 0 else [])
-                              + [str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "status"],
-                              capture_output=True).returncode == 0
+        return as_pg([str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "status"], check=False).returncode == 0
 
     def ensure_running(self):
         """Starts the server if a test left it stopped (an outage test that failed midway): the next
@@ -282,10 +280,8 @@ class Postgres:
         """A session of the test's own holds `table` ACCESS EXCLUSIVE (a migration) from the moment this
         returns, the lock granted, until the block ends, however it ends: the lock lasts exactly as long
         as the test says, not a guessed number of seconds."""
-        env = dict(os.environ, PGPASSWORD=PASSWORD)
-        proc = subprocess.Popen([str(self.bin / "psql"), "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1",
-                                 "-p", str(self.port), "-U", "postgres", "-d", db], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(self._psql_args(db), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, PGPASSWORD=PASSWORD))
         try:
             proc.stdin.write(f"BEGIN;\nLOCK TABLE {table} IN ACCESS EXCLUSIVE MODE;\nSELECT 'locked';\n")
             proc.stdin.flush()
@@ -309,19 +305,20 @@ class Postgres:
                 proc.wait()
 
     def stop(self, mode="fast"):
-        subprocess.run((["runuser", "-u", RUN_AS, "--"] if os.geteuid() == 0 else [])
-                       + [str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "-m", mode, "-w", "stop"],
-                       capture_output=True)
+        as_pg([str(self.bin / "pg_ctl"), "-D", str(self.dir / "data"), "-m", mode, "-w", "stop"], check=False)
 
     def restart(self):
         self.stop()
         self.start()
 
+    def _psql_args(self, db: str) -> list:
+        """psql as the superuser over TCP, stopping at the first error, rows unaligned."""
+        return [str(self.bin / "psql"), "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1",
+                "-p", str(self.port), "-U", "postgres", "-d", db]
+
     def psql(self, sql: str, db: str = "postgres", options: str = "") -> str:
         env = dict(os.environ, PGPASSWORD=PASSWORD, PGOPTIONS=options)
-        out = subprocess.run([str(self.bin / "psql"), "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1",
-                              "-p", str(self.port), "-U", "postgres", "-d", db, "-c", sql],
-                             capture_output=True, text=True, env=env)
+        out = subprocess.run(self._psql_args(db) + ["-c", sql], capture_output=True, text=True, env=env)
         if out.returncode != 0:
             raise RuntimeError(f"psql -d {db} -c {sql[:200]!r}: {out.stderr.strip()}")
         return out.stdout.strip()
