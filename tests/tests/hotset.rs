@@ -40,30 +40,62 @@ fn hot_blocks(plan: &Plan, db: &str, oid: u32) -> u64 {
         .sum()
 }
 
-/// Holds ACCESS EXCLUSIVE on `table` for `seconds`, from a session of its own (a migration, say), and
-/// returns once the lock is held. Planning waits for it (up to its lock_timeout) while a head start,
-/// which lists only the hot set's relations and waits for no lock, reads: without it, planning a small
-/// local database can end before the head start has begun.
-async fn hold_lock(cluster: &Cluster, db: &str, table: &str, seconds: f64) -> tokio::task::JoinHandle<()> {
-    let holder = cluster.client(db).await;
-    let sql = format!("BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE; SELECT pg_sleep({seconds}); COMMIT");
-    let held = tokio::spawn(async move { holder.batch_execute(&sql).await.unwrap() });
-    let watcher = cluster.client(db).await;
-    for _ in 0..250 {
-        let n: i64 = watcher
+/// ACCESS EXCLUSIVE on a table, taken by a session of its own (a migration, say). Planning waits for
+/// it (up to its lock_timeout) while a head start, which lists only the hot set's relations and waits
+/// for no lock, reads: without it, planning a small local database can end before the head start has
+/// begun. The test releases it when what it needs has happened ([`HeldLock::release_when`]), not after
+/// a number of seconds: how far a head start gets in two seconds depends on the machine.
+struct HeldLock(tokio_postgres::Client);
+
+impl HeldLock {
+    /// Returns once the lock is granted (the session's own LOCK statement has returned).
+    async fn take(cluster: &Cluster, db: &str, table: &str) -> HeldLock {
+        let holder = cluster.client(db).await;
+        holder.batch_execute(&format!("BEGIN; LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")).await.unwrap();
+        HeldLock(holder)
+    }
+
+    /// Releases the lock once `until` completes, or after 120 s (then the test's own assertions say
+    /// what did not happen while planning waited).
+    async fn release_when(self, until: impl std::future::Future<Output = ()>) {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(120), until).await;
+        self.0.batch_execute("COMMIT").await.unwrap();
+    }
+}
+
+/// Completes when the head start has read all of `table`'s main fork (pg_buffercache, installed in
+/// database postgres: the restart before emptied the cache, and planning reads no table's data) and its
+/// sessions have ended: no pghydrate session is connected to `db` but those waiting for a lock
+/// (planning, held up by a [`HeldLock`]).
+async fn head_start_read(cluster: &Cluster, db: &str, table: &str) {
+    let c = cluster.client(db).await;
+    let (filenode, blocks): (u32, i64) = {
+        let r = c
             .query_one(
-                "SELECT count(*) FROM pg_locks WHERE relation = $1::text::regclass::oid AND mode = 'AccessExclusiveLock' AND granted",
+                "SELECT pg_relation_filenode($1::text::regclass)::oid, pg_relation_size($1::text::regclass) / 8192",
                 &[&table],
             )
             .await
-            .unwrap()
-            .get(0);
-        if n > 0 {
-            return held;
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    let admin = cluster.client("postgres").await;
+    loop {
+        let r = admin
+            .query_one(
+                "SELECT (SELECT count(*) FROM pg_buffercache b JOIN pg_database d ON d.oid = b.reldatabase
+                          WHERE d.datname = $1 AND b.relfilenode = $2 AND b.relforknumber = 0),
+                        (SELECT count(*) FROM pg_stat_activity
+                          WHERE datname = $1 AND application_name = 'pghydrate' AND wait_event_type IS DISTINCT FROM 'Lock')",
+                &[&db, &filenode],
+            )
+            .await
+            .unwrap();
+        if r.get::<_, i64>(0) >= blocks && r.get::<_, i64>(1) == 0 {
+            return;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    panic!("the lock on {table} was not taken");
 }
 
 /// (blocks read, buffer hits) of relation `oid` as the server counts them, once they reach `blocks` (or
@@ -191,8 +223,10 @@ async fn a_captured_hot_set_is_read_first_and_every_block_still_once(major: u32)
     .await
     .unwrap();
     let report_path = work.join("report.json");
-    // A migration holds a table for the first 2 s: planning waits for it, the head start reads.
-    let migration = hold_lock(&cluster, "app", "migrating", 2.0).await;
+    // A migration holds a table for the first 2 s: planning waits for it, the head start reads (how
+    // much of the hot set it reads by then, nothing below depends on).
+    let migration = HeldLock::take(&cluster, "app", "migrating").await;
+    let migration = tokio::spawn(migration.release_when(tokio::time::sleep(std::time::Duration::from_secs(2))));
     let (code, out, err) = cli_env(
         &[
             "run",
@@ -568,14 +602,24 @@ async fn network_cuts_during_the_head_start_lose_nothing_and_count_nothing_twice
         )),
         |_| None,
     )
-    .unwrap();
+    .unwrap()
+    // Planning waits for the migration below as long as it holds its lock.
+    .with_timeouts(Duration::from_secs(120), Duration::from_secs(300));
     let opts = pghydrate_tests::run_opts(2, Mode::Buffer);
     // 32 KiB ranges: a thousand statements, so that reading sessions reach the cut.
     let plan_opts = pghydrate::catalog::PlanOptions { range_blocks: 4, ..pghydrate_tests::plan_opts(&["app"]) };
-    // Planning waits for a migration's lock for 3 s: the head start reads meanwhile.
-    let migration = hold_lock(&cluster, "app", "tiny", 3.0).await;
-    let (plan, head) = plan_with_head_start(&spec, &plan_opts, &opts.warm, |_| (Mode::Buffer, 2, false)).await.unwrap();
-    migration.await.unwrap();
+    // Planning waits for a migration's lock until the head start's reading has been cut at least once.
+    let migration = HeldLock::take(&cluster, "app", "tiny").await;
+    let cut = async {
+        while proxy.cuts() == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let (planned, ()) = tokio::join!(
+        plan_with_head_start(&spec, &plan_opts, &opts.warm, |_| (Mode::Buffer, 2, false)),
+        migration.release_when(cut)
+    );
+    let (plan, head) = planned.unwrap();
     let cuts_while_planning = proxy.cuts();
     let head = head.expect("a head start");
     assert!(cuts_while_planning >= 1, "no cut while the head start read: the test did not test");
@@ -704,7 +748,8 @@ async fn the_plan_call_reads_the_hot_set_while_it_plans_and_no_item_reads_it_aga
     drop(app);
     cluster.restart();
     let app = cluster.client("app").await;
-    let spec = cluster.superuser_spec().with_timeouts(Duration::from_secs(10), Duration::from_secs(300));
+    // Planning waits for the migration below as long as it holds its lock.
+    let spec = cluster.superuser_spec().with_timeouts(Duration::from_secs(120), Duration::from_secs(300));
     // The head start's own plan, alone (in the run below, whether the full plan's CREATE EXTENSION
     // comes first is timing): it creates pg_prewarm as the full plan would, and plans the hot set.
     let (alone, _) = pghydrate::catalog::plan_hot_phase(&spec, &pghydrate_tests::plan_opts(&["app"]))
@@ -723,12 +768,16 @@ async fn the_plan_call_reads_the_hot_set_while_it_plans_and_no_item_reads_it_aga
     let run = RunConfig::new("exec-head", trigger, &Defaults::from_env(|_| None).unwrap());
     // As the Plan function: the call's deadline, margin and timeouts; sessions and mode from the plan.
     let head = call_options(Instant::now() + Duration::from_secs(120), Duration::from_secs(5), 1);
-    let migration = hold_lock(&cluster, "app", "migrating", 2.0).await;
-    let (summary, items) = plan_items(&spec, &run, Some(&head)).await.unwrap();
-    migration.await.unwrap();
+    // A migration holds a table until the head start has read hot and ended: planning waits for it.
+    let migration = HeldLock::take(&cluster, "app", "migrating").await;
+    let (planned, ()) = tokio::join!(
+        plan_items(&spec, &run, Some(&head)),
+        migration.release_when(head_start_read(&cluster, "app", "hot"))
+    );
+    let (summary, items) = planned.unwrap();
     let h = summary.head_start.clone().expect("the Plan call made a head start");
     assert!(summary.hot_bytes > 0 && h.warmed_bytes > 0, "{summary:?}");
-    assert_eq!(h.hot_bytes_left, 0, "planning took 2 s: the head start read the whole hot set then: {h:?}");
+    assert_eq!(h.hot_bytes_left, 0, "planning waited until the head start ended: it read the whole hot set: {h:?}");
     // No item holds a block of hot's or hot_pkey's main fork (what was cached, so captured): the head
     // start read them all.
     for item in &items {
