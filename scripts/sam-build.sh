@@ -14,10 +14,9 @@ export PATH="$HOME_DIR/twinvenv/bin:$PATH" SAM_CLI_TELEMETRY=0
 export CARGO_TARGET_DIR=$HOME_DIR/lambda-target
 BUILD=$HOME_DIR/sam-build
 FUNCTIONS=(resolve describe plan warm maintain report capture)
-# The seven binaries in one cargo-lambda build first: cargo-lambda's release profile (one codegen unit,
-# thin LTO) makes each binary's own compile take minutes, and `sam build` runs them one after another;
-# one build runs them side by side. `sam build` then finds them up to date (same flags, same target
-# directory) and only copies them.
+# The seven binaries in one cargo-lambda build first: `sam build` runs one build per function, one
+# after another; one build compiles them side by side (the release profile: Cargo.toml). `sam build`
+# then finds them up to date (same flags, same target directory) and only copies them.
 bins=(); for b in "${FUNCTIONS[@]}"; do bins+=(--bin "$b"); done
 started=$(date +%s)
 cargo lambda build --release "${bins[@]}" >"$HOME_DIR/cargo-lambda-build.log" 2>&1 \

@@ -1,7 +1,6 @@
 """Least privilege in infra/template.yaml: no IAM statement grants a wildcard action, and every wildcard
 in a resource is one of the listed exceptions, each with the reason it cannot be narrower."""
 import re
-from pathlib import Path
 
 from twin import load_template
 
