@@ -848,11 +848,17 @@ async fn list_forks(
             ("m", _) => RelKind::MaterializedView,
             _ => RelKind::Sequence,
         };
-        let direct: bool = row.get("readable");
-        let owner_settable: bool = row.get("owner_settable");
+        // has_table_privilege answers NULL for a relation that this statement's snapshot lists but that
+        // was dropped (committed) before the row was computed: a migration during planning.
+        let readable: Option<bool> = row.get("readable");
+        let owner_settable: bool = row.get::<_, Option<bool>>("owner_settable").unwrap_or(false);
         let owner_is_super: bool = row.get::<_, Option<bool>>("owner_is_super").unwrap_or(false);
         let owner: String = row.get("owner");
-        let (as_role, planned_skip) = if server.is_superuser || direct {
+        let (as_role, planned_skip) = if readable.is_none() {
+            info!(database = %db, oid, "relation dropped while it was being listed");
+            let detail = "dropped while the plan listed it".to_string();
+            (None, Some(Skip { reason: SkipReason::Dropped, detail, fix: None }))
+        } else if server.is_superuser || readable == Some(true) {
             (None, None)
         } else if owner_settable && !owner_is_super {
             (Some(owner.clone()), None)
@@ -885,7 +891,7 @@ async fn list_forks(
         let mut sizes: [Option<i64>; 4] =
             [row.get("size_main"), row.get("size_fsm"), row.get("size_vm"), row.get("size_init")];
         let mut planned_skip = planned_skip;
-        if sizes[0].is_none() {
+        if sizes[0].is_none() && readable.is_some() {
             match size_locked(spec, client, oid, lock_waits).await? {
                 Some(s) => sizes = s.map(Some),
                 None => {

@@ -611,7 +611,7 @@ async fn capture_database(
         )
         .await
         .map_err(|e| Error::query("checking pghydrate.hot_set", e))?;
-    if checks.len() != 2 || checks.iter().any(|r| !r.get::<_, bool>(1)) {
+    if checks.len() != 2 || checks.iter().any(|r| r.get::<_, Option<bool>>(1) != Some(true)) {
         return Err(Error::InvalidInput(format!(
             "pghydrate.hot_set or pghydrate.capture in database {db:?} is not a plain table of {} without triggers, \
              rules or inheritance: refusing to write into it; drop them (pghydrate capture --drop) and capture again",
@@ -802,9 +802,12 @@ pub(crate) async fn read_stored(client: &Client, db: &str) -> Result<Option<Stor
         .await
         .map_err(|e| Error::query("looking for a captured hot set", e))?;
     let find = |name: &str| rels.iter().find(|r| r.get::<_, String>(0) == name);
+    // Privilege functions answer NULL for a table dropped after this statement's snapshot listed it: a
+    // NULL is a no.
+    let yes = |r: &tokio_postgres::Row, column: usize| r.get::<_, Option<bool>>(column) == Some(true);
     let Some(hot) = find("hot_set") else { return Ok(None) };
     let plain = |r: &tokio_postgres::Row, columns: &[&str]| {
-        r.get::<_, bool>(1) && r.get::<_, Option<Vec<String>>>(3).unwrap_or_default() == columns
+        yes(r, 1) && r.get::<_, Option<Vec<String>>>(3).unwrap_or_default() == columns
     };
     let ignored = |why: String| {
         warn!(database = %db, reason = %why, "captured hot set ignored");
@@ -817,7 +820,7 @@ pub(crate) async fn read_stored(client: &Client, db: &str) -> Result<Option<Stor
             hot.get::<_, String>(4)
         ));
     }
-    if !hot.get::<_, bool>(2) {
+    if !yes(hot, 2) {
         return ignored(format!(
             "the login role may not read pghydrate.hot_set; fix: GRANT USAGE ON SCHEMA pghydrate TO <role>; \
              GRANT SELECT ON pghydrate.hot_set, pghydrate.capture TO <role> (as {})",
@@ -848,7 +851,7 @@ pub(crate) async fn read_stored(client: &Client, db: &str) -> Result<Option<Stor
         })
         .collect();
     let captured_at = match find("capture") {
-        Some(c) if plain(c, CAPTURE_COLUMNS) && c.get::<_, bool>(2) => client
+        Some(c) if plain(c, CAPTURE_COLUMNS) && yes(c, 2) => client
             .query_one("SELECT pg_catalog.max(captured_at)::text FROM ONLY pghydrate.capture", &[])
             .await
             .ok()

@@ -126,14 +126,17 @@ pub(crate) async fn maintenance_statement(
              JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
             WHERE c.oid = $1 AND c.relkind IN ('r', 'p', 'm') AND c.relpersistence <> 't'";
     let sql = if server_version_num >= 170000 { FROM_17 } else { BEFORE_17 };
-    Ok(client.query_opt(sql, &[&oid, &vacuum, &vacuum_only]).await?.map(|row| MaintenanceStatement {
+    let Some(row) = client.query_opt(sql, &[&oid, &vacuum, &vacuum_only]).await? else { return Ok(None) };
+    // The privilege functions answer NULL for a table dropped after this statement's snapshot found it.
+    let Some(allowed) = row.get::<_, Option<bool>>(2) else { return Ok(None) };
+    Ok(Some(MaintenanceStatement {
         sql: ServerSql::from_row(&row, 0),
         action: match (row.get::<_, bool>(1), vacuum_only) {
             (true, true) => "VACUUM",
             (true, false) => "VACUUM ANALYZE",
             _ => "ANALYZE",
         },
-        allowed: row.get(2),
+        allowed,
     }))
 }
 
