@@ -15,7 +15,7 @@ use pghydrate::pattern::RelationPattern;
 use pghydrate::plan::{Plan, DEFAULT_RANGE_BLOCKS};
 use pghydrate::report::{self, human_bytes};
 use pghydrate::run::{effective_sessions, RunOptions, RunState};
-use pghydrate::warm::{Counters, Mode, WarmOptions};
+use pghydrate::warm::{Counters, Mode, ModeChoice, WarmOptions};
 use pghydrate::{ConnectionSpec, Error, TlsMode};
 
 #[derive(Parser)]
@@ -502,11 +502,12 @@ fn check_time_limit(limit: Option<Duration>, margin: Duration) -> pghydrate::Res
 
 fn mode_of(m: ModeArg, server: &pghydrate::plan::ServerInfo) -> Mode {
     match m {
-        ModeArg::Auto => Mode::auto(server),
-        ModeArg::Read => Mode::Read,
-        ModeArg::Buffer => Mode::Buffer,
-        ModeArg::Prefetch => Mode::Prefetch,
+        ModeArg::Auto => ModeChoice::Auto,
+        ModeArg::Read => ModeChoice::Read,
+        ModeArg::Buffer => ModeChoice::Buffer,
+        ModeArg::Prefetch => ModeChoice::Prefetch,
     }
+    .resolve(server)
 }
 
 fn maintenance_of(m: MaintenanceArg) -> Maintenance {

@@ -64,9 +64,9 @@ pub struct Overrides {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sessions: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mode: Option<String>,
+    pub mode: Option<crate::warm::ModeChoice>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub maintenance: Option<String>,
+    pub maintenance: Option<crate::maintain::Maintenance>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub include_databases: Vec<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -228,16 +228,6 @@ fn validate_overrides(o: &Overrides) -> Result<(), InputError> {
     if let Some(s) = o.sessions {
         if !(1..=64).contains(&s) {
             return Err(invalid(format!("sessions: {s} is not between 1 and 64")));
-        }
-    }
-    if let Some(m) = &o.mode {
-        if !["auto", "read", "buffer", "prefetch"].contains(&m.as_str()) {
-            return Err(invalid(format!("mode: {:?} is not one of auto, read, buffer, prefetch", truncate(m))));
-        }
-    }
-    if let Some(m) = &o.maintenance {
-        if !["analyze", "vacuum-analyze", "none"].contains(&m.as_str()) {
-            return Err(invalid(format!("maintenance: {:?} is not one of analyze, vacuum-analyze, none", truncate(m))));
         }
     }
     for (name, list) in [

@@ -11,8 +11,10 @@ use crate::connect::ConnectionSpec;
 use crate::error::{Disposition, Error};
 use crate::sql::maintenance_statement;
 
+/// What maintenance follows warming. Read from the CLI, a trigger's overrides, the deployment's defaults
+/// and continuations; anything else is refused by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[serde(rename_all = "kebab-case", try_from = "String")]
 pub enum Maintenance {
     None,
     Analyze,
@@ -172,6 +174,28 @@ pub async fn targets(
         }
     }
     out
+}
+
+impl std::str::FromStr for Maintenance {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "analyze" => Ok(Maintenance::Analyze),
+            "vacuum-analyze" => Ok(Maintenance::VacuumAnalyze),
+            "none" => Ok(Maintenance::None),
+            _ => Err(format!(
+                "maintenance: {:?} is not one of analyze, vacuum-analyze, none",
+                s.chars().take(80).collect::<String>()
+            )),
+        }
+    }
+}
+
+impl TryFrom<String> for Maintenance {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
 }
 
 impl Maintenance {

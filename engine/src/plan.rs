@@ -345,6 +345,11 @@ impl HotSetPlan {
 /// time to 100% was 1.07x that without a capture (`scripts/bench-normal.py --keys old`, docs/benchmark.md).
 pub const HOT_REGION_BLOCKS: u64 = 1024;
 
+/// A hot-phase region: a fork's index and the region's number (its first block / HOT_REGION_BLOCKS).
+type RegionKey = (u32, u64);
+/// Blocks first..=last of one fork.
+type Interval = (u64, u64);
+
 /// Builds the reading order for the forks that are to be read, in three phases:
 /// 1. forks of tables matching a `first` pattern, whole, in pattern order (the user said so);
 /// 2. the captured hot set (`hot`), each block once however the spans overlap, clipped to the fork's
@@ -405,7 +410,7 @@ pub fn order_ranges(
     let mut taken: std::collections::HashMap<u32, std::collections::BTreeMap<u64, u64>> = Default::default();
     // Per region (a fork and an aligned window of HOT_REGION_BLOCKS): its heat times blocks, and the
     // intervals of it phase 2 reads.
-    let mut regions: std::collections::HashMap<(u32, u64), (f64, Vec<(u64, u64)>)> = Default::default();
+    let mut regions: std::collections::HashMap<RegionKey, (f64, Vec<Interval>)> = Default::default();
     for s in spans {
         let fork_taken = taken.entry(s.fork).or_default();
         let heat = if s.heat.is_finite() { f64::from(s.heat.max(0.0)) } else { 0.0 };
@@ -424,7 +429,7 @@ pub fn order_ranges(
     }
     // Hottest region first (heat per block of the region, so a small relation read hot whole comes
     // before a large one's lukewarm stretch), each read in block order, adjacent intervals as one range.
-    let mut regions: Vec<((u32, u64), f64, Vec<(u64, u64)>)> = regions
+    let mut regions: Vec<(RegionKey, f64, Vec<Interval>)> = regions
         .into_iter()
         .map(|((fork, region), (mass, intervals))| {
             let blocks = forks[fork as usize].blocks;

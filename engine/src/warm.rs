@@ -52,6 +52,51 @@ impl Mode {
     }
 }
 
+/// The mode asked for: one of pg_prewarm's, or `auto` (resolved per server, [`Mode::auto`]). Read from
+/// the CLI, a trigger's overrides and the deployment's defaults; anything else is refused by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", try_from = "String")]
+pub enum ModeChoice {
+    Auto,
+    Read,
+    Buffer,
+    Prefetch,
+}
+
+impl ModeChoice {
+    pub fn resolve(self, server: &ServerInfo) -> Mode {
+        match self {
+            ModeChoice::Auto => Mode::auto(server),
+            ModeChoice::Read => Mode::Read,
+            ModeChoice::Buffer => Mode::Buffer,
+            ModeChoice::Prefetch => Mode::Prefetch,
+        }
+    }
+}
+
+impl std::str::FromStr for ModeChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(ModeChoice::Auto),
+            "read" => Ok(ModeChoice::Read),
+            "buffer" => Ok(ModeChoice::Buffer),
+            "prefetch" => Ok(ModeChoice::Prefetch),
+            _ => Err(format!(
+                "mode: {:?} is not one of auto, read, buffer, prefetch",
+                s.chars().take(80).collect::<String>()
+            )),
+        }
+    }
+}
+
+impl TryFrom<String> for ModeChoice {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        s.parse()
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct WarmOptions {
     pub sessions: u32,

@@ -480,8 +480,8 @@ pub fn credentials_from_secret(text: &str) -> std::result::Result<(String, Strin
 pub struct Defaults {
     pub sessions: u32,
     pub call_sessions: u32,
-    pub mode: String,
-    pub maintenance: String,
+    pub mode: crate::warm::ModeChoice,
+    pub maintenance: crate::maintain::Maintenance,
     pub range_blocks: u64,
     pub item_blocks: u64,
     pub item_ranges: usize,
@@ -521,8 +521,12 @@ impl Defaults {
         let d = Defaults {
             sessions: num(get, "PGHYDRATE_SESSIONS", 64)?,
             call_sessions: num(get, "PGHYDRATE_CALL_SESSIONS", 64)?,
-            mode: text("PGHYDRATE_MODE", "auto"),
-            maintenance: text("PGHYDRATE_MAINTENANCE", "analyze"),
+            mode: text("PGHYDRATE_MODE", "auto")
+                .parse()
+                .map_err(|e| Error::InvalidInput(format!("PGHYDRATE_MODE: {e}")))?,
+            maintenance: text("PGHYDRATE_MAINTENANCE", "analyze")
+                .parse()
+                .map_err(|e| Error::InvalidInput(format!("PGHYDRATE_MAINTENANCE: {e}")))?,
             range_blocks: num(get, "PGHYDRATE_RANGE_BLOCKS", crate::plan::DEFAULT_RANGE_BLOCKS)?,
             item_blocks: num(get, "PGHYDRATE_ITEM_BLOCKS", 1_048_576)?,
             item_ranges: num(get, "PGHYDRATE_ITEM_RANGES", 256)?,
@@ -537,8 +541,8 @@ impl Defaults {
         // The same checks as a manual start's overrides.
         let probe = crate::events::Overrides {
             sessions: Some(d.sessions),
-            mode: Some(d.mode.clone()),
-            maintenance: Some(d.maintenance.clone()),
+            mode: Some(d.mode),
+            maintenance: Some(d.maintenance),
             ..Default::default()
         };
         crate::events::parse_input(
@@ -571,8 +575,8 @@ pub struct RunConfig {
     /// its state machine expects.
     #[serde(default = "one_session")]
     pub call_sessions: u32,
-    pub mode: String,
-    pub maintenance: String,
+    pub mode: crate::warm::ModeChoice,
+    pub maintenance: crate::maintain::Maintenance,
     pub range_blocks: u64,
     pub item_blocks: u64,
     pub item_ranges: usize,
@@ -596,8 +600,8 @@ impl RunConfig {
             execution: execution.to_string(),
             sessions: o.sessions.unwrap_or(d.sessions),
             call_sessions: d.call_sessions,
-            mode: o.mode.unwrap_or_else(|| d.mode.clone()),
-            maintenance: o.maintenance.unwrap_or_else(|| d.maintenance.clone()),
+            mode: o.mode.unwrap_or(d.mode),
+            maintenance: o.maintenance.unwrap_or(d.maintenance),
             range_blocks: d.range_blocks,
             item_blocks: d.item_blocks,
             item_ranges: d.item_ranges,
@@ -884,12 +888,7 @@ pub async fn plan_items(
     run: &RunConfig,
     head_start: Option<&WarmOptions>,
 ) -> Result<(PlanSummary, Vec<WorkItem>)> {
-    let mode_for = |server: &crate::plan::ServerInfo| match run.mode.as_str() {
-        "auto" => Mode::auto(server),
-        "buffer" => Mode::Buffer,
-        "prefetch" => Mode::Prefetch,
-        _ => Mode::Read,
-    };
+    let mode_for = |server: &crate::plan::ServerInfo| run.mode.resolve(server);
     let plan_opts = run.plan_options(3)?;
     let head_start = head_start.filter(|o| {
         let usable = o.time_before_margin();
@@ -1177,6 +1176,45 @@ mod tests {
         let old: WorkItem = serde_json::from_value(item).unwrap();
         assert_eq!((old.sessions, old.done.call_seconds), (1, 0.0));
         assert!(Defaults::from_env(|k| (k == "PGHYDRATE_CALL_SESSIONS").then(|| "0".into())).is_err());
+    }
+
+    /// Mode and maintenance are read by name wherever they come from, and written as the same names: a
+    /// typo is refused (before, the workflow read it as `read` and the maintain Lambda as `analyze`).
+    #[test]
+    fn mode_and_maintenance_are_names_and_a_typo_is_refused() {
+        use crate::maintain::Maintenance;
+        use crate::warm::ModeChoice;
+        let env = |name: &'static str, value: &'static str| move |k: &str| (k == name).then(|| value.to_string());
+        let e = Defaults::from_env(env("PGHYDRATE_MODE", "bufer")).unwrap_err().to_string();
+        assert!(
+            e.contains("PGHYDRATE_MODE") && e.contains("\"bufer\" is not one of auto, read, buffer, prefetch"),
+            "{e}"
+        );
+        let e = Defaults::from_env(env("PGHYDRATE_MAINTENANCE", "vacuum")).unwrap_err().to_string();
+        assert!(e.contains("PGHYDRATE_MAINTENANCE") && e.contains("\"vacuum\" is not one of"), "{e}");
+        let d = Defaults::from_env(env("PGHYDRATE_MAINTENANCE", "vacuum-analyze")).unwrap();
+        assert_eq!((d.mode, d.maintenance), (ModeChoice::Auto, Maintenance::VacuumAnalyze));
+        for (input, field) in [("mode", "bufer"), ("maintenance", "full")] {
+            let e = crate::events::parse_input(&serde_json::json!({"instance": "db1", input: field}), None, None)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("{input}: \"{field}\" is not one of")), "{e}");
+        }
+        let trigger = crate::events::parse_input(
+            &serde_json::json!({"instance": "db1", "mode": "prefetch", "maintenance": "none"}),
+            None,
+            None,
+        )
+        .unwrap();
+        let run = serde_json::to_value(RunConfig::new("e", trigger, &d)).unwrap();
+        assert_eq!((&run["mode"], &run["maintenance"]), (&serde_json::json!("prefetch"), &serde_json::json!("none")));
+        let back: RunConfig = serde_json::from_value(run.clone()).unwrap();
+        assert_eq!((back.mode, back.maintenance), (ModeChoice::Prefetch, Maintenance::None));
+        // A state that a Task receives with a name it does not know (edited, or from a newer version).
+        let mut odd = run;
+        odd["maintenance"] = serde_json::json!("vacuum");
+        let e = serde_json::from_value::<RunConfig>(odd).unwrap_err().to_string();
+        assert!(e.contains("maintenance: \"vacuum\" is not one of"), "{e}");
     }
 
     #[test]

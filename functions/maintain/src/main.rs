@@ -81,10 +81,9 @@ struct Deps {
 async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, Failure> {
     let until = deadline(&event.context);
     let r = event.payload;
-    let action = match r.run.maintenance.as_str() {
-        "none" => return Ok(Response { done: true, ..Response::default() }),
-        "vacuum-analyze" => Maintenance::VacuumAnalyze,
-        _ => Maintenance::Analyze,
+    let action = match r.run.maintenance {
+        Maintenance::None => return Ok(Response { done: true, ..Response::default() }),
+        action => action,
     };
     let spec = deps.db.connect_spec(&deps.aws, &r.run, &r.endpoint).await?;
     let started = std::time::Instant::now();
