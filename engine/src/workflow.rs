@@ -538,19 +538,9 @@ impl Defaults {
             ready_limit_minutes: num(get, "PGHYDRATE_READY_LIMIT_MINUTES", 240)?,
             storage_limit_minutes: num(get, "PGHYDRATE_STORAGE_LIMIT_MINUTES", 2880)?,
         };
-        // The same checks as a manual start's overrides.
-        let probe = crate::events::Overrides {
-            sessions: Some(d.sessions),
-            mode: Some(d.mode),
-            maintenance: Some(d.maintenance),
-            ..Default::default()
-        };
-        crate::events::parse_input(
-            &serde_json::json!({"instance": "defaults", "sessions": probe.sessions, "mode": probe.mode, "maintenance": probe.maintenance}),
-            None,
-            None,
-        )
-        .map_err(|e| Error::InvalidInput(format!("PGHYDRATE_* defaults: {e}")))?;
+        // The same check as a manual start's sessions (mode and maintenance were parsed above).
+        crate::events::parse_input(&serde_json::json!({"instance": "defaults", "sessions": d.sessions}), None, None)
+            .map_err(|e| Error::InvalidInput(format!("PGHYDRATE_* defaults: {e}")))?;
         if d.range_blocks == 0
             || d.item_blocks == 0
             || d.item_ranges == 0
@@ -888,7 +878,6 @@ pub async fn plan_items(
     run: &RunConfig,
     head_start: Option<&WarmOptions>,
 ) -> Result<(PlanSummary, Vec<WorkItem>)> {
-    let mode_for = |server: &crate::plan::ServerInfo| run.mode.resolve(server);
     let plan_opts = run.plan_options(3)?;
     let head_start = head_start.filter(|o| {
         let usable = o.time_before_margin();
@@ -906,7 +895,7 @@ pub async fn plan_items(
             crate::run::plan_with_head_start(spec, &plan_opts, opts, |server| {
                 let (sizing, _) = warm_sizing(run.sessions, run.call_sessions, server);
                 let sessions = sizing.sessions_per_call.min((sizing.sessions_per_call * sizing.calls / 2).max(1));
-                (mode_for(server), sessions, sessions > 1)
+                (run.mode.resolve(server), sessions, sessions > 1)
             })
             .await?
         }
@@ -930,7 +919,7 @@ pub async fn plan_items(
     // Relations locked while planning are accounted for by their items (sized when they are tried again).
     let live: Vec<&ForkEntry> = plan.forks.iter().filter(|f| !f.excluded && !locked_while_planning(f)).collect();
     let skipped: Vec<&&ForkEntry> = live.iter().filter(|f| f.planned_skip.is_some()).collect();
-    let mode = mode_for(&plan.server);
+    let mode = run.mode.resolve(&plan.server);
     let (sizing, sessions_note) = warm_sizing(run.sessions, run.call_sessions, &plan.server);
     for item in &mut items {
         item.mode = mode;

@@ -651,7 +651,8 @@ async fn workflow_items_continue_until_done(major: u32) {
             // sessions time to connect and read tiny on a busy machine too: with 3 s (2 s before the
             // margin) it once read nothing, with the twin suite running beside it. The later calls end
             // when their item is done.
-            let mut opts = call_options(Instant::now() + Duration::from_secs(15), Duration::from_secs(1), item.sessions);
+            let mut opts =
+                call_options(Instant::now() + Duration::from_secs(15), Duration::from_secs(1), item.sessions);
             opts.lock_timeout = Duration::from_secs(60);
             item.advance(&spec, &opts).await.unwrap();
             text = serde_json::to_string(&item).unwrap();
