@@ -29,8 +29,8 @@ twin/test_strict.py):
   can't be caught by States.ALL"): an oversized state fails the execution, Catch or not.
 - 25,000 events per execution history: the state that would go past it fails the execution
   (States.Runtime).
-- A Lambda API error is named Lambda.<ExceptionName> (moto names every one "Exception"), so that Retry
-  and Catch see what they would see on AWS.
+- A Lambda API error is named Lambda.<ExceptionName> (moto names every one "Exception"), and a function
+  error without an errorType Lambda.Unknown, so that Retry and Catch see what they would see on AWS.
 - An inline Map runs at most 40 iterations at once, whatever its MaxConcurrency (moto ran them all).
 - ListExecutions is eventually consistent (AWS: "results are best effort and may not reflect very
   recent updates"): an execution appears in it LIST_LAG seconds after it started, so that nothing that
@@ -43,20 +43,30 @@ twin/test_strict.py):
   runs past its timeout (PGHYDRATE_TWIN_LAMBDA_TIMEOUT seconds) fails as Sandbox.Timedout, as Lambda's
   does (the twin stops waiting for it; unlike Lambda, it cannot freeze the process, which runs on), and
   the fault "timedout" makes the next N invokes fail so at once.
+- IAM, for the functions (twin/iam.py): each function signs with credentials of its own role
+  (twin/lambda-runner.sh), and every request it makes, to moto or to the Lambda shim, is allowed only if
+  that role's policies in infra/template.yaml allow its action on its resource; otherwise it gets
+  AccessDenied as the service words it, naming the action, and GET /denials lists it. S3 answers a
+  missing key with 403 AccessDenied, not 404 NoSuchKey, to a caller that may not s3:ListBucket the
+  bucket (S3 GetObject API reference). A request the twin cannot name is denied too. The tests' own
+  calls and the Step Functions interpreter's are not checked (the state machine's role is not modelled).
 - Asynchronous invokes (X-Amz-Invocation-Type: Event), in the shim: 202 at once with no result, the
   function run in the background, its event over 256 KiB refused; GET /async-invocations lists each
   with its outcome (the scheduled capture starts one per instance this way).
 """
+import io
 import json
 import os
 import threading
 import uuid
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import moto
 from botocore.config import Config
+from xml.sax.saxutils import escape as xml_escape
 
 if moto.__version__ != "5.2.5":
     raise SystemExit(f"moto_ext patches moto 5.2.5, found {moto.__version__}")
@@ -66,7 +76,14 @@ from moto.rds.models import DBInstance
 from moto.rds.responses import RDSResponse
 import moto.stepfunctions.parser.asl.component.state.exec.state_task.lambda_eval_utils as lambda_eval_utils
 
+import iam  # noqa: E402  (twin/, on the path: server.py)
+
 LOCK = threading.Lock()
+# IAM (POST /iam): access key id -> {"function", "role", "statements"}; every denial so far.
+ROLES: dict = {}
+DENIALS: list = []
+# A function's deployed name (its ARN's last part) -> its binary, the name `cargo lambda watch` serves it by.
+FUNCTION_OF_NAME: dict = {}
 # function name -> [fault, invokes left]: "inactive", "throttled"
 LAMBDA_FAULTS: dict = {}
 LAMBDA_TIMEOUT = float(os.environ.get("PGHYDRATE_TWIN_LAMBDA_TIMEOUT", "3600"))
@@ -363,6 +380,33 @@ def _lambda_from_error(self, env, ex):
 
 StateTaskLambda._from_error = _lambda_from_error
 
+from moto.stepfunctions.parser.asl.component.state.exec.state_task.service.state_task_service_lambda import (  # noqa: E402
+    StateTaskServiceLambda,
+)
+
+_orig_service_lambda_from_error = StateTaskServiceLambda._from_error
+
+
+def _service_lambda_from_error(self, env, ex):
+    """A function error whose payload has no errorType is Lambda.Unknown, as Step Functions names it
+    ("Unhandled errors in Lambda are reported as Lambda.Unknown ... out-of-memory errors and function
+    timeouts"); moto names it "Exception"."""
+    failure = _orig_service_lambda_from_error(self, env, ex)
+    if isinstance(ex, lambda_eval_utils.LambdaFunctionErrorException):
+        try:
+            typed = "errorType" in json.loads(ex.payload)
+        except (ValueError, TypeError):
+            typed = False
+        if not typed:
+            failure.error_name = CustomErrorName("Lambda.Unknown")
+            details = failure.event_details.get("taskFailedEventDetails")
+            if details is not None:
+                details["error"] = "Lambda.Unknown"
+    return failure
+
+
+StateTaskServiceLambda._from_error = _service_lambda_from_error
+
 LAMBDA_URL = os.environ.get("PGHYDRATE_TWIN_LAMBDA_URL", "http://127.0.0.1:9002")
 
 
@@ -449,8 +493,124 @@ def _send_to_targets(self, original_event, transform_input=True):
 Rule.send_to_targets = _send_to_targets
 
 
+def _secret_arn(secret_id: str) -> str:
+    """A secret's ARN from its name or ARN, as Secrets Manager authorizes it (the full ARN, suffix included)."""
+    if secret_id.startswith("arn:"):
+        return secret_id
+    for account in get_backend("secretsmanager").values():
+        for backend in account.values():
+            for arn, secret in backend.secrets.items():
+                if getattr(secret, "name", None) == secret_id:
+                    return getattr(secret, "arn", arn)
+    return f"arn:aws:secretsmanager:{iam.REGION}:{iam.ACCOUNT}:secret:{secret_id}"
+
+
+def authorize(headers: dict, method: str, host: str, path: str, query: dict, body: bytes | None):
+    """None when the request may go on (not a function's, or allowed); else (status, code, message, caller)."""
+    key, service = iam.caller_of(headers.get("authorization", ""))
+    with LOCK:
+        role = ROLES.get(key)
+        configured = bool(ROLES)
+    if role is None:
+        if key and key.startswith("ASIATWIN") and not configured:
+            return "AccessDenied", "the twin's IAM is not configured (POST /iam) for this function's credentials", None
+        return None
+    named = iam.request_of(service, method, host, path, query, headers, body or b"", _secret_arn)
+    if named is None:
+        message = (f"the twin cannot name the permission {method} {path} ({service}) needs: add it to "
+                   f"twin/iam.py request_of")
+        action, resource = f"{service}:?", path
+    else:
+        action, resource, context = named
+        decision = iam.decide(role["statements"], action, resource, context)
+        if decision == "allow":
+            return None
+        message = iam.denial_message(role["role"], role["function"], action, resource, decision)
+    with LOCK:
+        DENIALS.append({"function": role["function"], "action": action, "resource": resource, "message": message})
+    print(f"twin IAM: denied: {message}", flush=True)
+    return "AccessDenied", message, role
+
+
+def may_list(role: dict, bucket: str) -> bool:
+    return iam.decide(role["statements"], "s3:ListBucket", f"arn:aws:s3:::{bucket}", {}) == "allow"
+
+
+def _aws_error(service: str, message: str) -> tuple:
+    """(status, headers, body) of AccessDenied as `service` answers it."""
+    rid = str(uuid.uuid4())
+    if service == "s3":
+        body = (f"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>AccessDenied</Code>"
+                f"<Message>{xml_escape(message)}</Message><RequestId>{rid}</RequestId></Error>")
+        return 403, [("Content-Type", "application/xml"), ("x-amz-request-id", rid)], body.encode()
+    if service == "rds":
+        body = (f"<ErrorResponse xmlns=\"http://rds.amazonaws.com/doc/2014-10-31/\"><Error><Type>Sender</Type>"
+                f"<Code>AccessDenied</Code><Message>{xml_escape(message)}</Message></Error>"
+                f"<RequestId>{rid}</RequestId></ErrorResponse>")
+        return 403, [("Content-Type", "text/xml"), ("x-amzn-RequestId", rid)], body.encode()
+    body = json.dumps({"__type": "AccessDeniedException", "message": message, "Message": message}).encode()
+    return 400 if service in ("secretsmanager", "states") else 403, [
+        ("Content-Type", "application/x-amz-json-1.1"), ("x-amzn-ErrorType", "AccessDeniedException"),
+        ("x-amzn-RequestId", rid)], body
+
+
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication  # noqa: E402
+
+_orig_dispatch = DomainDispatcherApplication.__call__
+
+
+def _gated_dispatch(self, environ, start_response):
+    """moto's WSGI entry, behind the IAM gate (functions' requests only)."""
+    headers = {k[5:].replace("_", "-").lower(): v for k, v in environ.items() if k.startswith("HTTP_")}
+    if not headers.get("authorization", "").count("ASIATWIN"):
+        return _orig_dispatch(self, environ, start_response)
+    _, service = iam.caller_of(headers["authorization"])
+    body = None
+    if service != "s3":  # S3 bodies may be streamed (aws-chunked): S3's permissions never need them
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+        body = environ["wsgi.input"].read(length) if length else b""
+        environ["wsgi.input"] = io.BytesIO(body)
+    query = dict(urllib.parse.parse_qsl(environ.get("QUERY_STRING", ""), keep_blank_values=True))
+    method, path, host = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "/"), headers.get("host", "")
+    denied = authorize(headers, method, host.split(":")[0], path, query, body)
+    if denied:
+        status, hdrs, out = _aws_error(service, denied[1])
+        start_response(f"{status} Denied", hdrs + [("Content-Length", str(len(out)))])
+        return [out]
+    named = iam.request_of(service, method, host.split(":")[0], path, query, headers, b"", _secret_arn)
+    if not (named and named[0] == "s3:GetObject"):
+        return _orig_dispatch(self, environ, start_response)
+    # GetObject of a key that does not exist: 404 only to a caller that may list the bucket.
+    captured = {}
+
+    def capture(status, hdrs, exc_info=None):
+        captured.update(status=status, headers=hdrs)
+        return lambda data: None
+
+    out = b"".join(_orig_dispatch(self, environ, capture))
+    with LOCK:
+        role = ROLES.get(iam.caller_of(headers["authorization"])[0])
+    bucket = named[1].split(":::", 1)[1].split("/", 1)[0]
+    if captured["status"].startswith("404") and (b"NoSuchKey" in out or method == "HEAD") and not may_list(role, bucket):
+        message = (f"Access Denied (the key does not exist, and {role['role']} may not s3:ListBucket "
+                   f"arn:aws:s3:::{bucket}: S3 answers 403, not 404)")
+        with LOCK:
+            DENIALS.append({"function": role["function"], "action": "s3:ListBucket",
+                            "resource": f"arn:aws:s3:::{bucket}", "message": message})
+        print(f"twin IAM: {role['function']}: {message}", flush=True)
+        status, hdrs, out = _aws_error("s3", "Access Denied")
+        start_response(f"{status} Forbidden", hdrs + [("Content-Length", str(len(out)))])
+        return [out] if method != "HEAD" else [b""]
+    start_response(captured["status"], captured["headers"])
+    return [out]
+
+
+DomainDispatcherApplication.__call__ = _gated_dispatch
+
+
 class Control(BaseHTTPRequestHandler):
-    """POST /instance {"id", "address", "port", "script": [...]}; GET /describes; GET /deliveries."""
+    """POST /instance {"id", "address", "port", "script": [...]}; POST /iam {"stack", "params", "refs",
+    "attrs"}; GET /describes; GET /deliveries; GET /denials (?take=1: and forget them)."""
 
     def log_message(self, *args):
         pass
@@ -479,6 +639,16 @@ class Control(BaseHTTPRequestHandler):
                             if db is not None:
                                 db.port = body["port"]
             return self._reply(200, {"ok": True})
+        if self.path == "/iam":
+            stack = iam.Stack(iam.load_template(), body["stack"], body["params"], body["refs"],
+                              {tuple(k.split(".", 1)): v for k, v in body["attrs"].items()})
+            roles = iam.role_statements(stack)
+            with LOCK:
+                ROLES.clear()
+                for function, role in roles.items():
+                    ROLES[iam.function_key(function)] = dict(role, function=function)
+                    FUNCTION_OF_NAME[role["name"]] = function
+            return self._reply(200, {"roles": {f: {"role": r["role"], "name": r["name"]} for f, r in roles.items()}})
         if self.path == "/lambda-fault":
             with LOCK:
                 LAMBDA_FAULTS[body["function"]] = [body["fault"], int(body.get("count", 1))]
@@ -508,6 +678,12 @@ class Control(BaseHTTPRequestHandler):
         if self.path == "/deliveries":
             with LOCK:
                 return self._reply(200, {"deliveries": list(DELIVERIES)})
+        if self.path in ("/denials", "/denials?take=1"):
+            with LOCK:
+                out = list(DENIALS)
+                if self.path.endswith("take=1"):
+                    DENIALS.clear()
+            return self._reply(200, {"denials": out})
         return self._reply(404, {"error": self.path})
 
 
@@ -545,6 +721,11 @@ class LambdaShim(BaseHTTPRequestHandler):
         # /2015-03-31/functions/{name}/invocations
         name = urllib.request.unquote(parts[3]).split(":function:")[-1].split(":")[0]
         payload = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        denied = authorize(headers, "POST", "127.0.0.1", self.path.split("?")[0], {}, payload)
+        if denied:
+            return self._error(403, "AccessDeniedException", denied[1])
+        name = FUNCTION_OF_NAME.get(name, name)
         with LOCK:
             fault = LAMBDA_FAULTS.get(name)
             if fault and fault[1] > 0:
@@ -560,6 +741,9 @@ class LambdaShim(BaseHTTPRequestHandler):
                                 "errorMessage": f"RequestId: twin Error: Task timed out after {LAMBDA_TIMEOUT:.2f} seconds"}).encode()
         if fault and fault[0] == "timedout":
             return self._reply(timed_out, "Unhandled")
+        if fault and fault[0] == "unknown":  # killed with no error type: an out-of-memory kill
+            return self._reply(json.dumps({"errorMessage": "RequestId: twin Error: Runtime exited with error: "
+                                                           "signal: killed (the twin's fault injection)"}).encode(), "Unhandled")
         if self.headers.get("X-Amz-Invocation-Type") == "Event":
             # Asynchronous: Lambda queues the event and answers 202 at once; the caller never sees the
             # function's result or error (tests read them from GET /async-invocations).

@@ -111,7 +111,7 @@ def test_not_postgres_ends_cleanly_and_a_wrong_password_fails_named_without_leak
     assert "not PostgreSQL" in json.loads(d["output"])["reason"]
 
     bad = twin.client("secretsmanager").create_secret(
-        Name="wrong-password", SecretString=json.dumps({"username": "postgres", "password": "Wr0ng-Passw0rd"}))["ARN"]
+        Name="pghydrate-twin-start-wrong-password", SecretString=json.dumps({"username": "postgres", "password": "Wr0ng-Passw0rd"}))["ARN"]
     twin.register_instance("badpw-db")
     d, history = twin.run({"instance": "badpw-db", "credentials": {"type": "secret", "arn": bad}})
     assert d["status"] == "FAILED" and d["error"] == "HydrationIncomplete", d
@@ -196,7 +196,7 @@ def test_pghydrate_start_wait_follows_the_execution_with_run_exit_codes(twin):
     assert summary["status"] == "complete" and summary["instances"][0]["coverage"] == 1.0
 
     bad = twin.client("secretsmanager").create_secret(
-        Name="cli-wrong", SecretString=json.dumps({"username": "postgres", "password": "N0t-the-pw"}))["ARN"]
+        Name="pghydrate-twin-start-cli-wrong", SecretString=json.dumps({"username": "postgres", "password": "N0t-the-pw"}))["ARN"]
     failed = subprocess.run([str(binary), "start", "--instance", "cli-db", "--wait", "--poll-interval", "1s",
                              "--secret-arn", bad], env=env, capture_output=True, text=True, timeout=600)
     assert failed.returncode == 4, (failed.returncode, failed.stderr)
@@ -481,10 +481,28 @@ def test_an_instance_that_does_not_exist_fails_named_and_a_secret_that_is_not_js
     names = {e.get("stateEnteredEventDetails", {}).get("name") for e in history}
     assert "Plan" not in names and "WaitReady" not in names, "nothing started"
 
-    not_json = twin.client("secretsmanager").create_secret(Name="not-json", SecretString="user=postgres pw=Xy-9-secret")["ARN"]
+    not_json = twin.client("secretsmanager").create_secret(Name="pghydrate-twin-start-not-json", SecretString="user=postgres pw=Xy-9-secret")["ARN"]
     twin.register_instance("notjson-db")
     d, history = twin.run({"instance": "notjson-db", "credentials": {"type": "secret", "arn": not_json}})
     assert d["status"] == "FAILED" and d["error"] == "HydrationIncomplete", d
     inst = twin.report_of(history)["instances"][0]
     assert "not JSON" in inst["error"]["Cause"], inst
     assert twin.places_containing("Xy-9-secret") == []
+
+
+def test_a_start_naming_a_secret_the_stack_does_not_list_is_refused_by_its_role(twin):
+    """The functions may read SecretArn and StartSecretArns, no other secret (infra/template.yaml), under
+    their own roles: a start that names another team's secret fails with AccessDenied for
+    secretsmanager:GetSecretValue, the function's role named, and the secret's value is never read."""
+    other = twin.client("secretsmanager").create_secret(
+        Name="another-teams-db", SecretString=json.dumps({"username": "postgres", "password": "0ther-Team-pw"}))["ARN"]
+    twin.register_instance("other-secret-db")
+    d, history = twin.run({"instance": "other-secret-db", "credentials": {"type": "secret", "arn": other},
+                           "maintenance": "none"})
+    assert d["status"] == "FAILED" and d["error"] == "HydrationIncomplete", d
+    cause = twin.report_of(history)["instances"][0]["error"]["Cause"]
+    assert "not authorized to perform: secretsmanager:GetSecretValue" in cause and "PlanFunctionRole" in cause, cause
+    denied = twin.denials(take=True)
+    assert denied and {(x["function"], x["action"], x["resource"]) for x in denied} == {
+        ("plan", "secretsmanager:GetSecretValue", other)}, denied
+    assert twin.places_containing("0ther-Team-pw") == []

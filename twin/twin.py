@@ -36,6 +36,10 @@ RUN_AS = "pghydrate"
 REGION = "us-east-1"
 ACCOUNT = "123456789012"
 PASSWORD = "Tw1n-S3cret-pw"
+# The stack the twin stands for: its name is in the function names and ARNs the template's policies name.
+STACK = "pghydrate-twin"
+# The template's StartSecretArns as the twin deploys it: the secrets a start may name besides SecretArn.
+START_SECRETS = f"arn:aws:secretsmanager:{REGION}:{ACCOUNT}:secret:pghydrate-twin-start-*"
 # The state machine's functions (its ${XFunctionArn} placeholders), and every function the template builds.
 WORKFLOW_FUNCTIONS = ["resolve", "describe", "plan", "warm", "maintain", "report"]
 FUNCTIONS = WORKFLOW_FUNCTIONS + ["capture"]
@@ -43,6 +47,11 @@ TEMPLATE = ROOT / "infra" / "template.yaml"
 # Lambda gives a function CPU in proportion to its memory: 1,769 MB is one vCPU (AWS Lambda developer
 # guide, "Configuring Lambda function memory").
 LAMBDA_MB_PER_VCPU = 1769
+
+
+def host_triple() -> str:
+    out = subprocess.run(["rustc", "-vV"], check=True, capture_output=True, text=True).stdout
+    return next(line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("host: "))
 
 
 class CfnLoader(yaml.SafeLoader):
@@ -348,7 +357,7 @@ class Twin:
         try:
             self._start_moto()
             self._create_resources()
-            self._start_watch(lambda_timeout, margin)
+            self._start_watch(lambda_timeout, margin, self.roles)
         except BaseException:
             self.stop()  # what was started so far: Twin.start has no twin to stop
             raise
@@ -407,7 +416,7 @@ class Twin:
             **self.extra_env,
         }
 
-    def _start_watch(self, lambda_timeout: int, margin: int):
+    def _start_watch(self, lambda_timeout: int, margin: int, roles: dict):
         # Concurrent invokes of one function run side by side, each in a process of its own, as in
         # Lambda's sandboxes (cargo lambda watch's default, 1, queued them: a Map of 8 concurrent
         # Warm calls ran one after the other, and measured 8 times the wall time).
@@ -421,13 +430,16 @@ class Twin:
         # some values are lists (PGHYDRATE_CAPTURE_INSTANCES).
         env_file = self.workdir / "functions.env"
         lines = []
-        for k, v in self.function_env(lambda_timeout, margin).items():
+        names = {f"PGHYDRATE_TWIN_NAME_{fn.upper()}": role["name"] for fn, role in roles.items()}
+        for k, v in {**self.function_env(lambda_timeout, margin), **names}.items():
             assert "\n" not in v and "'" not in v, f"{k}: a value the env file cannot carry: {v!r}"
             lines.append(f"{k}='{v}'")
         env_file.write_text("\n".join(lines) + "\n")
         args += ["--env-file", str(env_file)]
         env = dict(os.environ)
         env["PATH"] = f"{HOME / 'twinvenv' / 'bin'}:{env['PATH']}"
+        # Each function process starts through the runner: its role's credentials (twin/lambda-runner.sh).
+        env[f"CARGO_TARGET_{host_triple().upper().replace('-', '_')}_RUNNER"] = str(ROOT / "twin" / "lambda-runner.sh")
         watch = self._spawn("watch", args, env=env, cwd=ROOT)
         self.sandboxes = None
         if os.geteuid() == 0:
@@ -468,8 +480,37 @@ class Twin:
         for k, v in subs.items():
             definition = definition.replace("${" + k + "}", v)
         self.state_machine = self.client("stepfunctions").create_state_machine(
-            name="pghydrate-twin-hydrate", definition=definition,
+            name=f"{STACK}-hydrate", definition=definition,
             roleArn=f"arn:aws:iam::{ACCOUNT}:role/pghydrate-twin")["stateMachineArn"]
+        self.roles = self.configure_iam()
+
+    def configure_iam(self, **params) -> dict:
+        """Each function's role from infra/template.yaml, as the stack STACK deploys it with the twin's
+        parameters (`params` override them), enforced from now on (moto_ext.py, twin/iam.py).
+        Returns binary -> {"role", "name"}."""
+        state = "pghydrate-twin-state"
+        body = {
+            "stack": STACK,
+            "params": {"SecretArn": self.secret_arn, "StartSecretArns": START_SECRETS,
+                       "SubnetIds": "subnet-twin", "SecurityGroupIds": "sg-twin",
+                       "CaptureInstances": "twin-capture", "CaBundleLayerArn": "twin-ca-layer", **params},
+            "refs": {"StateBucket": state},
+            "attrs": {"StateBucket.Arn": f"arn:aws:s3:::{state}"},
+        }
+        req = urllib.request.Request(f"http://127.0.0.1:{self.control_port}/iam", method="POST",
+                                     data=json.dumps(body).encode())
+        return json.load(urllib.request.urlopen(req))["roles"]
+
+    def denials(self, take: bool = False) -> list:
+        """Every request of a function that its role did not allow (moto_ext's IAM gate); `take`: and forget
+        them (a test that expects a denial takes it; any other is a failure: conftest.py)."""
+        url = f"http://127.0.0.1:{self.control_port}/denials" + ("?take=1" if take else "")
+        return json.load(urllib.request.urlopen(url))["denials"]
+
+    def assert_no_denial(self):
+        left = self.denials(take=True)
+        assert not left, ("a function's role does not allow what its code does (infra/template.yaml): "
+                          + "; ".join(d["message"] for d in left))
 
     def register_instance(self, ident: str, script=(), engine="postgres", create=True):
         """Creates the emulated DB instance (pointing at the real PostgreSQL) and scripts what each
@@ -485,8 +526,8 @@ class Twin:
 
     def lambda_fault(self, function: str, fault: str, count: int = 1):
         """The next `count` invokes of `function` fail as on AWS: fault "inactive" (an idle VPC function:
-        ResourceNotReadyException), "throttled" (TooManyRequestsException) or "timedout" (killed at its
-        timeout: Sandbox.Timedout)."""
+        ResourceNotReadyException), "throttled" (TooManyRequestsException), "timedout" (killed at its
+        timeout: Sandbox.Timedout) or "unknown" (killed with no error type, as out of memory: Lambda.Unknown)."""
         req = urllib.request.Request(f"http://127.0.0.1:{self.control_port}/lambda-fault", method="POST",
                                      data=json.dumps({"function": function, "fault": fault, "count": count}).encode())
         urllib.request.urlopen(req)
@@ -635,6 +676,7 @@ class Twin:
         try:
             twin = cls(workdir, lambda_timeout, margin, mode, env, pg_conf)
             yield twin
+            twin.assert_no_denial()
         finally:
             if twin:
                 twin.stop()

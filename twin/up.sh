@@ -30,4 +30,4 @@ if [ "${1:-}" = --up ]; then
   done
   echo "the twin did not come up in 300 s; see $STATE/session.log"; exit 1
 fi
-exec "$VENV/bin/python" -m pytest -q -rs --durations=15 -p no:cacheprovider test_template.py test_lazyvol.py test_strict.py test_scenarios.py test_slow_volume.py test_capture.py test_warm_calls.py test_scale.py test_tenants.py "$@"
+exec "$VENV/bin/python" -m pytest -q -rs --durations=15 -p no:cacheprovider test_template.py test_iam.py test_lazyvol.py test_strict.py test_scenarios.py test_slow_volume.py test_capture.py test_warm_calls.py test_scale.py test_tenants.py "$@"
