@@ -2,7 +2,10 @@
 interpreter, drives the real Lambda binaries (cargo lambda watch) against a real PostgreSQL.
 Run with `make e2e` (part of `make test`)."""
 import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -180,13 +183,16 @@ def test_a_lease_left_by_an_execution_that_ended_is_taken_over(twin):
     assert "leases/stale-db.json" not in leases(twin)
 
 
-def test_pghydrate_start_wait_follows_the_execution_with_run_exit_codes(twin):
-    import os
-    import subprocess
-
+def cli(twin) -> tuple:
+    """The pghydrate binary (debug build) and an environment that points it at the twin."""
     binary = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug" / "pghydrate"
     env = dict(os.environ, AWS_ENDPOINT_URL=twin.endpoint, AWS_ACCESS_KEY_ID="twin", AWS_SECRET_ACCESS_KEY="twin",
                AWS_REGION="us-east-1", PGHYDRATE_STATE_MACHINE_ARN=twin.state_machine)
+    return binary, env
+
+
+def test_pghydrate_start_wait_follows_the_execution_with_run_exit_codes(twin):
+    binary, env = cli(twin)
     twin.register_instance("cli-db", script=[{"status": "available"}] * 20)
     done = subprocess.run([str(binary), "start", "--instance", "cli-db", "--wait", "--poll-interval", "1s",
                            "--include-database", "app", "--maintenance", "none"],
@@ -209,6 +215,38 @@ def test_pghydrate_start_wait_follows_the_execution_with_run_exit_codes(twin):
     missing = subprocess.run([str(binary), "start", "--instance", "no-such-db", "--wait", "--poll-interval", "1s"],
                              env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "InstanceNotFound" in missing.stderr, (missing.returncode, missing.stderr)
+
+
+def test_a_start_while_another_run_hydrates_the_instance_follows_that_run_and_exits_with_its_outcome(twin):
+    """A pipeline's `pghydrate start --wait` usually loses to the run EventBridge started for the same
+    restore. It must not exit 0 ("every byte read") on a run that read nothing: it follows the run that
+    holds the instance, and exits with that run's outcome."""
+    binary, env = cli(twin)
+    # The first run waits for the instance to become available until the second start has resolved.
+    twin.register_instance("two-starts-db", script=[{"status": "creating"}] * 600)
+    first = twin.start_execution({"instance": "two-starts-db", "include_databases": ["app"], "maintenance": "none"})
+    end = time.time() + 120
+    while "leases/two-starts-db.json" not in leases(twin):
+        assert time.time() < end, "the first run never took the instance's lease"
+        time.sleep(0.5)
+    second = subprocess.Popen([str(binary), "start", "--instance", "two-starts-db", "--wait", "--poll-interval", "1s"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        while not any("following that run" in line for line in seen):
+            line = second.stderr.readline()
+            assert line and time.time() < end + 120, ("the second start never followed the first", seen)
+            seen.append(line)
+        assert first in seen[-1], seen
+        twin.register_instance("two-starts-db", create=False, script=[{"status": "available"}] * 40)
+        out, err = second.communicate(timeout=600)
+    finally:
+        second.kill()
+    assert second.returncode == 0, (second.returncode, seen, err)
+    summary = json.loads(out)
+    assert summary["status"] == "complete" and summary["execution"] == first.rsplit(":", 1)[-1], summary
+    d, _ = twin.wait(first)
+    assert json.loads(d["output"]) == summary, "both starts report the one outcome"
 
 
 def test_blue_green_event_hydrates_the_green_instance(twin):
@@ -357,6 +395,19 @@ def test_an_inactive_or_throttled_function_is_retried_not_fatal(twin):
     assert "Sandbox.Timedout" in text, "a call killed at its timeout is retried"
 
 
+def test_a_function_killed_without_an_error_type_is_retried_twice_not_six_times(twin):
+    """Out of memory or past its timeout, Lambda kills the function and Step Functions names the error
+    Lambda.Unknown: a call that needed all of its 15 minutes once will need them again, so it is retried
+    as Sandbox.Timedout is (twice), not as Lambda's transient service errors are (six times)."""
+    twin.register_instance("oom-plan", script=[{"status": "available"}] * 10)
+    twin.lambda_fault("plan", "unknown", count=10)
+    d, history = twin.run({"instance": "oom-plan", "include_databases": ["app"], "maintenance": "none"})
+    assert d["status"] == "FAILED" and d["error"] == "HydrationIncomplete", d
+    failed = [e["taskFailedEventDetails"] for e in history if e["type"] == "TaskFailed"]
+    assert [f["error"] for f in failed] == ["Lambda.Unknown"] * 3, failed
+    assert twin.report_of(history)["instances"][0]["error"]["Error"] == "Lambda.Unknown"
+
+
 def test_a_hostile_catalog_runs_nothing_through_the_lambdas():
     """An unprivileged role has planted, in public of every database, an overload of every function,
     aggregate and operator name in the project's SQL (tests/hostile_catalog.py), and the login role's
@@ -398,7 +449,9 @@ def test_a_hostile_catalog_runs_nothing_through_the_lambdas():
 ])
 def test_every_other_trigger_event_starts_a_hydration(twin, name, kind):
     ident = f"trig-{name.split('-')[-1]}"
-    twin.register_instance(ident, script=[{"status": "available"}] * 10)
+    # As RDS reports a restored volume, or a new replica's: initializing, then no storage operation.
+    twin.register_instance(ident, script=[{"status": "available", "storage": "Initializing", "progress": 4}] * 3
+                           + [{"status": "available"}] * 10)
     event = fixture(name)
     event["detail"]["SourceArn"] = event["detail"]["SourceArn"].replace("orders-restored", ident)
     d, history = twin.run(event)
@@ -406,6 +459,20 @@ def test_every_other_trigger_event_starts_a_hydration(twin, name, kind):
     out = json.loads(d["output"])
     assert out["trigger"] == kind and out["instances"][0]["instance"] == ident
     assert out["instances"][0]["coverage"] == 1.0
+
+
+def test_a_replica_event_on_a_replica_whose_storage_is_initialized_reads_nothing_and_says_why(twin):
+    """RDS sends RDS-EVENT-0046 also "as a monitoring message confirming that replication is functioning
+    properly" (after a reboot of the source): that must not start a full read of a production replica."""
+    twin.register_instance("healthy-replica", script=[{"status": "available"}] * 10)
+    event = fixture("replica-ready-0046")
+    event["detail"]["SourceArn"] = event["detail"]["SourceArn"].replace("orders-restored", "healthy-replica")
+    d, history = twin.run(event)
+    assert d["status"] == "SUCCEEDED", (d.get("error"), d.get("cause"))
+    reason = json.loads(d["output"])["reason"]
+    assert "RDS-EVENT-0046" in reason and "not initializing" in reason and "healthy-replica" in reason, reason
+    names = {e.get("stateEnteredEventDetails", {}).get("name") for e in history}
+    assert "WaitReady" not in names and "Plan" not in names, "nothing ran for a healthy replica"
 
 
 def test_an_instance_deleted_while_waiting_ends_with_a_named_error(twin):
@@ -418,8 +485,6 @@ def test_an_instance_deleted_while_waiting_ends_with_a_named_error(twin):
 
 
 def test_the_templates_eventbridge_rules_start_one_run_per_restore_event_and_none_for_others(twin):
-    import time
-
     assert sorted(twin.create_rules_from_template()) == ["GreenEnvironmentCreated", "InstanceRestored"]
     twin.register_instance("eb-db", script=[{"status": "available"}] * 10)
     restore, failover = (json.loads(json.dumps(fixture(f)).replace("orders-restored", "eb-db"))
@@ -441,10 +506,6 @@ def test_the_templates_eventbridge_rules_start_one_run_per_restore_event_and_non
 
 
 def test_twin_up_prints_commands_that_work_and_twin_down_stops_everything():
-    import os
-    import subprocess
-    import time
-
     from twin import HOME
 
     up = subprocess.run(["bash", str(ROOT / "twin" / "up.sh"), "--up"], capture_output=True, text=True, timeout=600)

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use pghydrate::aws::Skipped;
 use pghydrate::catalog::{make_plan, PlanOptions};
 use pghydrate::error::exit;
 use pghydrate::maintain::Maintenance;
@@ -714,19 +715,42 @@ async fn start(a: StartArgs) -> pghydrate::Result<i32> {
         println!("{execution}");
         return Ok(exit::COMPLETE);
     }
+    let mut execution = execution;
     loop {
-        let v = pghydrate::aws::describe_execution(&sfn, &execution).await?;
+        let v = wait_until_ended(&sfn, &execution, a.poll_interval).await?;
+        match pghydrate::aws::skipped(&v, &a.instance) {
+            // Started while another run hydrates the instance: that run's outcome is this start's.
+            Some(Skipped::HeldBy { execution_arn }) if execution_arn != execution => {
+                eprintln!("pghydrate: {} is already being hydrated by {execution_arn}: following that run", a.instance);
+                execution = execution_arn;
+                continue;
+            }
+            Some(Skipped::NothingRead { reason }) => eprintln!("pghydrate: nothing was read: {reason}"),
+            _ => {}
+        }
+        if let Some(out) = &v.output {
+            println!("{out}");
+        }
+        if let Some(e) = &v.error {
+            eprintln!("pghydrate: execution {} with {e}: {}", v.status, v.cause.as_deref().unwrap_or(""));
+        }
+        return Ok(pghydrate::aws::execution_exit_code(&v));
+    }
+}
+
+/// The execution once it is no longer running, checked every `interval`.
+async fn wait_until_ended(
+    sfn: &aws_sdk_sfn::Client,
+    execution: &str,
+    interval: Duration,
+) -> pghydrate::Result<pghydrate::aws::ExecutionView> {
+    loop {
+        let v = pghydrate::aws::describe_execution(sfn, execution).await?;
         if v.status != "RUNNING" {
-            if let Some(out) = &v.output {
-                println!("{out}");
-            }
-            if let Some(e) = &v.error {
-                eprintln!("pghydrate: execution {} with {e}: {}", v.status, v.cause.as_deref().unwrap_or(""));
-            }
-            return Ok(pghydrate::aws::execution_exit_code(&v));
+            return Ok(v);
         }
         eprintln!("pghydrate: {execution} is running");
-        tokio::time::sleep(a.poll_interval).await;
+        tokio::time::sleep(interval).await;
     }
 }
 

@@ -219,9 +219,41 @@ pub async fn describe_execution(sfn: &aws_sdk_sfn::Client, execution: &str) -> R
 }
 
 /// The exit code a finished execution stands for (the CLI's codes, see README).
+/// What a succeeded execution that read nothing says (its output `{"status": "skipped", "reason",
+/// "held_by"}`): the instance is being hydrated by another execution (which `start --wait` follows), or
+/// there was nothing to do for it (not PostgreSQL, filtered out, a replica event on healthy storage).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Skipped {
+    HeldBy { execution_arn: String },
+    NothingRead { reason: String },
+}
+
+/// The skip an ended execution reports for `instance`, if it read nothing.
+pub fn skipped(v: &ExecutionView, instance: &str) -> Option<Skipped> {
+    let out: serde_json::Value = serde_json::from_str(v.output.as_deref()?).ok()?;
+    if v.status != "SUCCEEDED" || out.get("status").and_then(|s| s.as_str()) != Some("skipped") {
+        return None;
+    }
+    let holder = out.get("held_by").and_then(|h| h.as_array()).and_then(|held| {
+        held.iter().find(|h| h.get("instance").and_then(|i| i.as_str()) == Some(instance))
+    });
+    Some(match holder.and_then(|h| h.get("execution_arn")).and_then(|a| a.as_str()) {
+        Some(arn) => Skipped::HeldBy { execution_arn: arn.to_string() },
+        None => Skipped::NothingRead {
+            reason: out.get("reason").and_then(|r| r.as_str()).unwrap_or("no reason given").to_string(),
+        },
+    })
+}
+
+/// `start --wait`'s exit code for an ended execution, as `run`'s: 0 only when every byte was read (a run
+/// that was skipped read nothing: 4).
 pub fn execution_exit_code(v: &ExecutionView) -> i32 {
     use crate::error::exit;
+    let nothing_read = v.output.as_deref().and_then(|o| serde_json::from_str::<serde_json::Value>(o).ok()).is_some_and(
+        |out| out.get("status").and_then(|s| s.as_str()) == Some("skipped"),
+    );
     match (v.status.as_str(), v.error.as_deref()) {
+        ("SUCCEEDED", _) if nothing_read => exit::INCOMPLETE,
         ("SUCCEEDED", _) => exit::COMPLETE,
         ("FAILED", Some("HydrationIncomplete")) => exit::INCOMPLETE,
         ("FAILED", Some("InvalidInput" | "InstanceNotFound")) => exit::INVALID_INPUT,
@@ -250,7 +282,7 @@ pub enum Lease {
     /// This execution holds the lease; `took_over` names a holder that had ended without releasing it.
     Acquired { took_over: Option<String> },
     /// A running execution holds it.
-    HeldBy(String),
+    HeldBy(LeaseHolder),
 }
 
 pub fn lease_key(instance: &str) -> String {
@@ -335,7 +367,7 @@ pub async fn acquire_lease(
         };
         match serde_json::from_slice::<LeaseHolder>(&data) {
             Ok(h) if h.execution == me.execution => return Ok(Lease::Acquired { took_over: None }),
-            Ok(h) if holds_now(sfn, &h).await? => return Ok(Lease::HeldBy(h.execution)),
+            Ok(h) if holds_now(sfn, &h).await? => return Ok(Lease::HeldBy(h)),
             Ok(h) => took_over = Some(h.execution),
             Err(_) => took_over = Some(format!("an unreadable lease object {key}")),
         }
@@ -400,6 +432,29 @@ mod tests {
         assert!(!holder_holds(None, "not a time", now));
         let future = humantime::format_rfc3339(now + Duration::from_secs(30)).to_string();
         assert!(holder_holds(None, &future, now), "a clock a little ahead is young, not old");
+    }
+
+    /// A start that lost to another run follows that run; one skipped for any other reason read
+    /// nothing, and says so in its exit code (0 is "every byte read").
+    #[test]
+    fn a_skipped_execution_names_the_run_to_follow_or_exits_as_nothing_read() {
+        let ended = |status: &str, output: serde_json::Value| ExecutionView {
+            status: status.into(),
+            output: Some(output.to_string()),
+            error: None,
+            cause: None,
+        };
+        let held = ended("SUCCEEDED", serde_json::json!({"status": "skipped", "reason": "db1 is already being hydrated",
+            "held_by": [{"instance": "db1", "execution": "e1", "execution_arn": "arn:e1"}]}));
+        assert_eq!(skipped(&held, "db1"), Some(Skipped::HeldBy { execution_arn: "arn:e1".into() }));
+        assert_eq!(skipped(&held, "db2"), Some(Skipped::NothingRead { reason: "db1 is already being hydrated".into() }));
+        assert_eq!(execution_exit_code(&held), crate::error::exit::INCOMPLETE);
+        let filtered = ended("SUCCEEDED", serde_json::json!({"status": "skipped", "reason": "db1 runs \"mysql\"", "held_by": []}));
+        assert!(matches!(skipped(&filtered, "db1"), Some(Skipped::NothingRead { reason }) if reason.contains("mysql")));
+        assert_eq!(execution_exit_code(&filtered), crate::error::exit::INCOMPLETE);
+        let hydrated = ended("SUCCEEDED", serde_json::json!({"status": "complete", "coverage": 1.0}));
+        assert_eq!(skipped(&hydrated, "db1"), None);
+        assert_eq!(execution_exit_code(&hydrated), crate::error::exit::COMPLETE);
     }
 
     /// In a VPC without a route to RDS the SDK never gets an answer: the error is named, retried, and

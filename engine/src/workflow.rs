@@ -654,6 +654,24 @@ pub fn qualifies(v: &InstanceView, d: &Defaults) -> std::result::Result<(), Stri
     Ok(())
 }
 
+/// Whether the event that started the run means new storage on this instance; Err holds why not (the
+/// run then ends cleanly with that reason). RDS sends RDS-EVENT-0046 when a read replica is first
+/// created, and also "as a monitoring message confirming that replication is functioning properly"
+/// (after RDS-EVENT-0045, a reboot of the source, a replication hiccup): so a 0046 hydrates only a
+/// replica whose storage RDS reports initializing. A new replica also sends RDS-EVENT-0005, which
+/// hydrates it whatever its storage reports.
+pub fn trigger_applies(kind: crate::events::TriggerKind, v: &InstanceView) -> std::result::Result<(), String> {
+    if kind == crate::events::TriggerKind::ReplicaReady && storage_state(v).0 != "initializing" {
+        return Err(format!(
+            "{}: RDS-EVENT-0046 on a replica whose storage is not initializing ({}); RDS also sends it when \
+             replication resumes: nothing to read",
+            v.id,
+            storage_state(v).1
+        ));
+    }
+    Ok(())
+}
+
 /// A running execution of the workflow, as far as duplicate detection needs it.
 /// Where and as whom to connect, resolved by the describe call that saw the instance available.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -1037,6 +1055,22 @@ mod tests {
             storage_progress: progress,
             ..InstanceView::default()
         }
+    }
+
+    /// RDS-EVENT-0046 also means "replication resumed": it reads only a replica whose storage is
+    /// initializing; every other trigger reads whatever the storage reports.
+    #[test]
+    fn a_replica_event_reads_only_storage_that_is_initializing() {
+        use crate::events::TriggerKind::*;
+        let initializing = view("available", Some("Initializing"), Some(3));
+        for healthy in [view("available", None, None), view("available", Some("Optimizing"), Some(50))] {
+            let why = trigger_applies(ReplicaReady, &healthy).unwrap_err();
+            assert!(why.contains("RDS-EVENT-0046") && why.contains("not initializing"), "{why}");
+            for kind in [SnapshotRestore, PointInTimeRestore, InstanceCreated, MultiAzConversion, BlueGreenCreated, Manual] {
+                assert_eq!(trigger_applies(kind, &healthy), Ok(()), "{kind:?}");
+            }
+        }
+        assert_eq!(trigger_applies(ReplicaReady, &initializing), Ok(()));
     }
 
     /// A server with 10,000 tenant databases: the plan summary lists a bounded number of them, the

@@ -4,7 +4,7 @@
 use lambda_runtime::{run, service_fn, Diagnostic, LambdaEvent};
 use pghydrate::aws::{acquire_lease, Lease, LeaseHolder};
 use pghydrate::events::{parse_input, InputError, TriggerKind};
-use pghydrate::workflow::{qualifies, Defaults, RunConfig, Target};
+use pghydrate::workflow::{qualifies, trigger_applies, Defaults, RunConfig, Target};
 use pghydrate::Error;
 use pghydrate_lambda::{init_tracing, Aws, Failure};
 use serde::{Deserialize, Serialize};
@@ -27,6 +27,17 @@ struct Response {
     run: Option<RunConfig>,
     targets: Vec<Target>,
     skipped: Option<String>,
+    /// The runs already hydrating instances this one would have: a pipeline's start that lost to the
+    /// EventBridge-started run follows that run (`pghydrate start --wait`) instead of gating on nothing.
+    held_by: Vec<HeldBy>,
+}
+
+/// An instance and the execution that holds its lease.
+#[derive(Serialize, Debug, PartialEq)]
+struct HeldBy {
+    instance: String,
+    execution: String,
+    execution_arn: String,
 }
 
 struct Deps {
@@ -47,7 +58,7 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let (account, region) = account_and_region(&event.context.invoked_function_arn);
     let skipped = |reason: String| {
         tracing::info!(%reason, "nothing to hydrate");
-        Ok(Response { run: None, targets: vec![], skipped: Some(reason) })
+        Ok(Response { run: None, targets: vec![], skipped: Some(reason), held_by: vec![] })
     };
     let trigger = match parse_input(&event.payload.input, account.as_deref(), region.as_deref()) {
         Ok(t) => t,
@@ -63,9 +74,10 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
     let reads = trigger.kind.reads_blocks() && !trigger.overrides.poll_only;
     let mut targets = Vec::new();
     let mut reasons = Vec::new();
+    let mut held_by = Vec::new();
     for id in ids {
         let view = pghydrate::aws::describe_instance(&deps.aws.rds, &id).await?;
-        match qualifies(&view, &deps.defaults) {
+        match qualifies(&view, &deps.defaults).and_then(|()| trigger_applies(trigger.kind, &view)) {
             Ok(()) => targets.push(Target { instance: id, reads_blocks: reads, sessions: run_config.sessions }),
             // A manual start names its instance: a mismatch there is the user's error, not a filter.
             Err(why) if trigger.kind == TriggerKind::Manual && !why.contains("PostgreSQL") => {
@@ -93,17 +105,24 @@ async fn handler(deps: &Deps, event: LambdaEvent<Request>) -> Result<Response, F
                     kept.push(t)
                 }
                 Lease::HeldBy(owner) => {
-                    reasons.push(format!("{} is already being hydrated by execution {owner}", t.instance))
+                    reasons.push(format!("{} is already being hydrated by execution {}", t.instance, owner.execution));
+                    held_by.push(HeldBy {
+                        instance: t.instance,
+                        execution: owner.execution,
+                        execution_arn: owner.execution_arn,
+                    });
                 }
             }
         }
         targets = kept;
     }
     if targets.is_empty() {
-        return skipped(reasons.join("; "));
+        let reason = reasons.join("; ");
+        tracing::info!(%reason, "nothing to hydrate");
+        return Ok(Response { run: None, targets, skipped: Some(reason), held_by });
     }
     tracing::info!(kind = ?trigger.kind, instances = ?targets.iter().map(|t| &t.instance).collect::<Vec<_>>(), "resolved");
-    Ok(Response { run: Some(run_config), targets, skipped: None })
+    Ok(Response { run: Some(run_config), targets, skipped: None, held_by })
 }
 
 #[tokio::main]
