@@ -234,9 +234,10 @@ pub fn skipped(v: &ExecutionView, instance: &str) -> Option<Skipped> {
     if v.status != "SUCCEEDED" || out.get("status").and_then(|s| s.as_str()) != Some("skipped") {
         return None;
     }
-    let holder = out.get("held_by").and_then(|h| h.as_array()).and_then(|held| {
-        held.iter().find(|h| h.get("instance").and_then(|i| i.as_str()) == Some(instance))
-    });
+    let holder = out
+        .get("held_by")
+        .and_then(|h| h.as_array())
+        .and_then(|held| held.iter().find(|h| h.get("instance").and_then(|i| i.as_str()) == Some(instance)));
     Some(match holder.and_then(|h| h.get("execution_arn")).and_then(|a| a.as_str()) {
         Some(arn) => Skipped::HeldBy { execution_arn: arn.to_string() },
         None => Skipped::NothingRead {
@@ -249,11 +250,8 @@ pub fn skipped(v: &ExecutionView, instance: &str) -> Option<Skipped> {
 /// that was skipped read nothing: 4).
 pub fn execution_exit_code(v: &ExecutionView) -> i32 {
     use crate::error::exit;
-    let nothing_read = v.output.as_deref().and_then(|o| serde_json::from_str::<serde_json::Value>(o).ok()).is_some_and(
-        |out| out.get("status").and_then(|s| s.as_str()) == Some("skipped"),
-    );
     match (v.status.as_str(), v.error.as_deref()) {
-        ("SUCCEEDED", _) if nothing_read => exit::INCOMPLETE,
+        ("SUCCEEDED", _) if skipped(v, "").is_some() => exit::INCOMPLETE,
         ("SUCCEEDED", _) => exit::COMPLETE,
         ("FAILED", Some("HydrationIncomplete")) => exit::INCOMPLETE,
         ("FAILED", Some("InvalidInput" | "InstanceNotFound")) => exit::INVALID_INPUT,
@@ -444,12 +442,19 @@ mod tests {
             error: None,
             cause: None,
         };
-        let held = ended("SUCCEEDED", serde_json::json!({"status": "skipped", "reason": "db1 is already being hydrated",
-            "held_by": [{"instance": "db1", "execution": "e1", "execution_arn": "arn:e1"}]}));
+        let held = ended(
+            "SUCCEEDED",
+            serde_json::json!({"status": "skipped", "reason": "db1 is already being hydrated",
+            "held_by": [{"instance": "db1", "execution": "e1", "execution_arn": "arn:e1"}]}),
+        );
         assert_eq!(skipped(&held, "db1"), Some(Skipped::HeldBy { execution_arn: "arn:e1".into() }));
-        assert_eq!(skipped(&held, "db2"), Some(Skipped::NothingRead { reason: "db1 is already being hydrated".into() }));
+        assert_eq!(
+            skipped(&held, "db2"),
+            Some(Skipped::NothingRead { reason: "db1 is already being hydrated".into() })
+        );
         assert_eq!(execution_exit_code(&held), crate::error::exit::INCOMPLETE);
-        let filtered = ended("SUCCEEDED", serde_json::json!({"status": "skipped", "reason": "db1 runs \"mysql\"", "held_by": []}));
+        let filtered =
+            ended("SUCCEEDED", serde_json::json!({"status": "skipped", "reason": "db1 runs \"mysql\"", "held_by": []}));
         assert!(matches!(skipped(&filtered, "db1"), Some(Skipped::NothingRead { reason }) if reason.contains("mysql")));
         assert_eq!(execution_exit_code(&filtered), crate::error::exit::INCOMPLETE);
         let hydrated = ended("SUCCEEDED", serde_json::json!({"status": "complete", "coverage": 1.0}));

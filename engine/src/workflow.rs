@@ -1066,7 +1066,9 @@ mod tests {
         for healthy in [view("available", None, None), view("available", Some("Optimizing"), Some(50))] {
             let why = trigger_applies(ReplicaReady, &healthy).unwrap_err();
             assert!(why.contains("RDS-EVENT-0046") && why.contains("not initializing"), "{why}");
-            for kind in [SnapshotRestore, PointInTimeRestore, InstanceCreated, MultiAzConversion, BlueGreenCreated, Manual] {
+            for kind in
+                [SnapshotRestore, PointInTimeRestore, InstanceCreated, MultiAzConversion, BlueGreenCreated, Manual]
+            {
                 assert_eq!(trigger_applies(kind, &healthy), Ok(()), "{kind:?}");
             }
         }
