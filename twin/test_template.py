@@ -86,3 +86,28 @@ def test_a_broadened_statement_would_be_caught():
                "Resource": {"Fn::If": ["HasSecret", "arn:aws:secretsmanager:us-east-1:1:secret:*", "x"]}}),
     ]
     assert [p.split(":")[0] for p in problems_in(broadened)] == ["A", "B", "C", "D"]
+
+
+def service_principal_statements(template) -> list:
+    """(resource, statement) of every resource policy statement that grants an AWS service."""
+    out = []
+    for name, res in template["Resources"].items():
+        props = res.get("Properties", {})
+        for doc in (props.get("PolicyDocument"), props.get("KeyPolicy")):
+            for st in (doc or {}).get("Statement", []):
+                if isinstance(st.get("Principal"), dict) and "Service" in st["Principal"]:
+                    out.append((name, st))
+    return out
+
+
+def test_a_service_may_publish_to_the_topic_only_for_this_stack():
+    """A resource policy that lets a service principal act (EventBridge publishing to the completion
+    topic) names the source it acts for (aws:SourceArn), or any rule in any account could use it. The KMS
+    key is exempt: its key policy is read with the topic's, which carries the condition."""
+    template = load_template()
+    granted = [(n, st) for n, st in service_principal_statements(template) if n != "CompletionTopicKey"]
+    assert granted, "the topic policy grants EventBridge"
+    for name, st in granted:
+        conditions = st.get("Condition", {})
+        keys = {k for op in conditions.values() for k in op}
+        assert "aws:SourceArn" in keys or "aws:SourceAccount" in keys, (name, st)
