@@ -482,6 +482,13 @@ def test_an_instance_deleted_while_waiting_ends_with_a_named_error(twin):
     inst = twin.report_of(history)["instances"][0]
     assert inst["outcome"] == "failed" and inst["error"]["Error"] == "InstanceNotUsable", inst
     assert "deleting" in inst["error"]["Cause"]
+    # Deleted while its storage was polled: the cause is what that poll saw, not the readiness check's.
+    twin.register_instance("doomed-later-db", script=[{"status": "available", "storage": "Initializing", "progress": 5}] * 2
+                           + [{"status": "deleting"}] * 5)
+    d, history = twin.run({"instance": "doomed-later-db", "poll_only": True})
+    assert d["status"] == "FAILED" and d["error"] == "HydrationIncomplete", d
+    inst = twin.report_of(history)["instances"][0]
+    assert inst["error"]["Error"] == "InstanceNotUsable" and "deleting" in inst["error"]["Cause"], inst
 
 
 def test_the_templates_eventbridge_rules_start_one_run_per_restore_event_and_none_for_others(twin):
