@@ -680,4 +680,6 @@ class Twin:
         finally:
             if twin:
                 twin.stop()
-            shutil.rmtree(workdir, ignore_errors=True)
+            # rm, not shutil.rmtree: a 2,000-database server's 11 GB of small files took rmtree 57 s, and
+            # 1,623 s with both cores busy (Python's per-file work starved of CPU).
+            subprocess.run(["rm", "-rf", "--one-file-system", str(workdir)], check=False)
