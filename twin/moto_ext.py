@@ -505,16 +505,17 @@ def _secret_arn(secret_id: str) -> str:
     return f"arn:aws:secretsmanager:{iam.REGION}:{iam.ACCOUNT}:secret:{secret_id}"
 
 
-def authorize(headers: dict, method: str, host: str, path: str, query: dict, body: bytes | None):
-    """None when the request may go on (not a function's, or allowed); else (status, code, message, caller)."""
+def authorize(headers: dict, method: str, host: str, path: str, query: dict, body: bytes | None) -> tuple:
+    """(denial message or None, the caller's role or None, the request's (action, resource, context) or
+    None). Requests that are not a function's go on unchecked (the tests', the interpreter's)."""
     key, service = iam.caller_of(headers.get("authorization", ""))
     with LOCK:
         role = ROLES.get(key)
         configured = bool(ROLES)
     if role is None:
         if key and key.startswith("ASIATWIN") and not configured:
-            return "AccessDenied", "the twin's IAM is not configured (POST /iam) for this function's credentials", None
-        return None
+            return "the twin's IAM is not configured (POST /iam) for this function's credentials", None, None
+        return None, None, None
     named = iam.request_of(service, method, host, path, query, headers, body or b"", _secret_arn)
     if named is None:
         message = (f"the twin cannot name the permission {method} {path} ({service}) needs: add it to "
@@ -524,12 +525,12 @@ def authorize(headers: dict, method: str, host: str, path: str, query: dict, bod
         action, resource, context = named
         decision = iam.decide(role["statements"], action, resource, context)
         if decision == "allow":
-            return None
+            return None, role, named
         message = iam.denial_message(role["role"], role["function"], action, resource, decision)
     with LOCK:
         DENIALS.append({"function": role["function"], "action": action, "resource": resource, "message": message})
     print(f"twin IAM: denied: {message}", flush=True)
-    return "AccessDenied", message, role
+    return message, role, named
 
 
 def may_list(role: dict, bucket: str) -> bool:
@@ -572,12 +573,11 @@ def _gated_dispatch(self, environ, start_response):
         environ["wsgi.input"] = io.BytesIO(body)
     query = dict(urllib.parse.parse_qsl(environ.get("QUERY_STRING", ""), keep_blank_values=True))
     method, path, host = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "/"), headers.get("host", "")
-    denied = authorize(headers, method, host.split(":")[0], path, query, body)
+    denied, role, named = authorize(headers, method, host.split(":")[0], path, query, body)
     if denied:
-        status, hdrs, out = _aws_error(service, denied[1])
+        status, hdrs, out = _aws_error(service, denied)
         start_response(f"{status} Denied", hdrs + [("Content-Length", str(len(out)))])
         return [out]
-    named = iam.request_of(service, method, host.split(":")[0], path, query, headers, b"", _secret_arn)
     if not (named and named[0] == "s3:GetObject"):
         return _orig_dispatch(self, environ, start_response)
     # GetObject of a key that does not exist: 404 only to a caller that may list the bucket.
@@ -588,8 +588,6 @@ def _gated_dispatch(self, environ, start_response):
         return lambda data: None
 
     out = b"".join(_orig_dispatch(self, environ, capture))
-    with LOCK:
-        role = ROLES.get(iam.caller_of(headers["authorization"])[0])
     bucket = named[1].split(":::", 1)[1].split("/", 1)[0]
     if captured["status"].startswith("404") and (b"NoSuchKey" in out or method == "HEAD") and not may_list(role, bucket):
         message = (f"Access Denied (the key does not exist, and {role['role']} may not s3:ListBucket "
@@ -722,9 +720,9 @@ class LambdaShim(BaseHTTPRequestHandler):
         name = urllib.request.unquote(parts[3]).split(":function:")[-1].split(":")[0]
         payload = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         headers = {k.lower(): v for k, v in self.headers.items()}
-        denied = authorize(headers, "POST", "127.0.0.1", self.path.split("?")[0], {}, payload)
+        denied, _, _ = authorize(headers, "POST", "127.0.0.1", self.path.split("?")[0], {}, payload)
         if denied:
-            return self._error(403, "AccessDeniedException", denied[1])
+            return self._error(403, "AccessDeniedException", denied)
         name = FUNCTION_OF_NAME.get(name, name)
         with LOCK:
             fault = LAMBDA_FAULTS.get(name)
